@@ -1,0 +1,40 @@
+# The two set-up commands are `make demo` and `make test`; both create .venv when missing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.spdkfac-installed
+TORCH_PIN := torch==2.13.0
+# Extra arguments for the demo, e.g. `make demo DEMO_ARGS="--epochs 1"`.
+DEMO_ARGS ?=
+
+.PHONY: demo test lint typecheck unit data clean
+
+$(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+		|| { echo "spdkfac needs Python >= 3.10 (set PYTHON=...)"; exit 1; }
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@touch $@
+
+data:
+	@bash scripts/ensure_fashion_mnist.sh
+
+demo: $(STAMP) data
+	$(BIN)/python -m spdkfac demo $(DEMO_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

@@ -1,0 +1,143 @@
+"""Frozen, validated configuration of the K-FAC preconditioner and schedule resolution."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from spdkfac.linalg import INVERSE_METHODS
+
+__all__ = [
+    "FloatSchedule",
+    "IntSchedule",
+    "KFACConfig",
+    "SkipEntry",
+    "resolve_float",
+    "resolve_interval",
+]
+
+FloatSchedule = float | Callable[[int], float]
+IntSchedule = int | Callable[[int], int]
+SkipEntry = str | type[nn.Module]
+
+
+def _check_positive_float(name: str, value: object, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return number
+
+
+def _check_interval(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def resolve_float(name: str, schedule: FloatSchedule, step: int, *, allow_zero: bool) -> float:
+    """Evaluate a float-or-callable hyperparameter at ``step`` and validate the result."""
+    value = schedule(step) if callable(schedule) else schedule
+    try:
+        return _check_positive_float(name, value, allow_zero=allow_zero)
+    except ValueError as error:
+        if callable(schedule):
+            raise ValueError(f"{error} (returned by the schedule at step {step})") from None
+        raise
+
+
+def resolve_interval(name: str, schedule: IntSchedule, step: int) -> int:
+    """Evaluate an int-or-callable refresh interval at ``step`` and validate the result."""
+    value = schedule(step) if callable(schedule) else schedule
+    try:
+        return _check_interval(name, value)
+    except ValueError as error:
+        if callable(schedule):
+            raise ValueError(f"{error} (returned by the schedule at step {step})") from None
+        raise
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACConfig:
+    """Hyperparameters of :class:`~spdkfac.KFACPreconditioner`; validated on construction.
+
+    Callables are functions of the preconditioner's step counter (the number of completed
+    ``step()`` calls) and are validated each time they are evaluated. A refresh interval
+    ``k`` fires on the steps where ``step % k == 0`` (so step 0 always refreshes).
+
+    Attributes:
+        damping: γ added to a copy of each factor's diagonal before inversion.
+        factor_decay: ξ in ``F ← ξ·F + (1−ξ)·F_new``, in (0, 1].
+        factor_update_steps: Interval between factor updates.
+        inv_update_steps: Interval between inverse updates.
+        kl_clip: κ of the KL clip, or None to disable it.
+        lr: Learning rate η used by the KL clip (match the optimizer's).
+        inverse_method: ``"cholesky"`` or ``"eigen"``; both compute (F + γI)⁻¹.
+        skip_layers: Module names (a name also skips its children) or module types.
+    """
+
+    damping: FloatSchedule = 0.003
+    factor_decay: float = 0.95
+    factor_update_steps: IntSchedule = 1
+    inv_update_steps: IntSchedule = 1
+    kl_clip: float | None = 0.001
+    lr: FloatSchedule = 0.1
+    inverse_method: str = "cholesky"
+    skip_layers: tuple[SkipEntry, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not callable(self.damping):
+            _check_positive_float("damping", self.damping)
+        if not callable(self.lr):
+            _check_positive_float("lr", self.lr, allow_zero=True)
+        decay = self.factor_decay
+        if (
+            isinstance(decay, bool)
+            or not isinstance(decay, (int, float))
+            or not (0.0 < float(decay) <= 1.0)
+        ):
+            raise ValueError(f"factor_decay must be in (0, 1], got {decay!r}")
+        for name in ("factor_update_steps", "inv_update_steps"):
+            value = getattr(self, name)
+            if not callable(value):
+                _check_interval(name, value)
+        if self.kl_clip is not None:
+            _check_positive_float("kl_clip", self.kl_clip)
+        if self.inverse_method not in INVERSE_METHODS:
+            raise ValueError(
+                f"inverse_method must be one of {INVERSE_METHODS}, got {self.inverse_method!r}"
+            )
+        if isinstance(self.skip_layers, (str, type)):
+            raise ValueError(
+                f"skip_layers must be a sequence of names or types, got {self.skip_layers!r}"
+            )
+        entries = tuple(self.skip_layers)
+        for entry in entries:
+            if not isinstance(entry, str) and not (
+                isinstance(entry, type) and issubclass(entry, nn.Module)
+            ):
+                raise ValueError(
+                    f"skip_layers entries must be module names or nn.Module types, got {entry!r}"
+                )
+        object.__setattr__(self, "skip_layers", entries)
+
+    def damping_at(self, step: int) -> float:
+        """Damping γ at ``step``."""
+        return resolve_float("damping", self.damping, step, allow_zero=False)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate η used by the KL clip at ``step``."""
+        return resolve_float("lr", self.lr, step, allow_zero=True)
+
+    def is_factor_step(self, step: int) -> bool:
+        """Whether factors are updated at ``step``."""
+        return step % resolve_interval("factor_update_steps", self.factor_update_steps, step) == 0
+
+    def is_inverse_step(self, step: int) -> bool:
+        """Whether inverses are recomputed at ``step``."""
+        return step % resolve_interval("inv_update_steps", self.inv_update_steps, step) == 0

@@ -1,0 +1,46 @@
+"""Per-layer-type K-FAC math and the registry that maps ``nn.Module`` types to it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from spdkfac.layers.base import KFACLayer, gradient_matrix, precondition, write_gradient_matrix
+from spdkfac.layers.conv2d import Conv2dLayer
+from spdkfac.layers.linear import LinearLayer
+
+__all__ = [
+    "Conv2dLayer",
+    "KFACLayer",
+    "LinearLayer",
+    "gradient_matrix",
+    "lookup",
+    "precondition",
+    "register_layer_type",
+    "write_gradient_matrix",
+]
+
+_REGISTRY: dict[type[nn.Module], KFACLayer] = {}
+
+
+def register_layer_type(adapter: KFACLayer) -> None:
+    """Register an adapter for the module types it lists in ``module_types``."""
+    for module_type in adapter.module_types:
+        _REGISTRY[module_type] = adapter
+
+
+def lookup(module: nn.Module) -> KFACLayer | None:
+    """The adapter for this module, or None when its type or configuration is unsupported."""
+    adapter = _REGISTRY.get(type(module))
+    if adapter is None:
+        # A subclass inherits the math only when it keeps the registered type's forward.
+        for base in type(module).__mro__[1:]:
+            if base in _REGISTRY and type(module).forward is base.forward:
+                adapter = _REGISTRY[base]
+                break
+    if adapter is None or not adapter.supports(module):
+        return None
+    return adapter
+
+
+register_layer_type(LinearLayer())
+register_layer_type(Conv2dLayer())

@@ -1,0 +1,87 @@
+"""The contract every supported layer type implements, and the math all of them share."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["KFACLayer", "gradient_matrix", "precondition", "write_gradient_matrix"]
+
+
+def gradient_matrix(weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
+    """``[∇W.view(out, -1), ∇b]``: the layer gradient as an ``[out, in(+1)]`` matrix."""
+    matrix = weight_grad.reshape(weight_grad.shape[0], -1)
+    if bias_grad is None:
+        return matrix
+    return torch.cat([matrix, bias_grad.reshape(-1, 1)], dim=1)
+
+
+def write_gradient_matrix(module: nn.Module, matrix: Tensor) -> None:
+    """Copy an ``[out, in(+1)]`` matrix back into ``module.weight.grad`` and ``bias.grad``."""
+    weight = module.weight
+    assert isinstance(weight, Tensor) and weight.grad is not None
+    columns = weight[0].numel()
+    weight.grad.copy_(matrix[:, :columns].reshape(weight.shape))
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, Tensor) and bias.grad is not None:
+        bias.grad.copy_(matrix[:, columns])
+
+
+def precondition(gradient: Tensor, a_inverse: Tensor, g_inverse: Tensor) -> Tensor:
+    """``V = Ĝ ∇ Â`` for a gradient matrix ``∇`` of shape ``[out, in(+1)]``."""
+    return g_inverse @ gradient @ a_inverse
+
+
+class KFACLayer(ABC):
+    """Stateless adapter from one ``nn.Module`` type to K-FAC's factor math.
+
+    Implementations are pure: they read the module's configuration and the captured tensors
+    and return new tensors; running averages and inverses live elsewhere.
+    """
+
+    #: Module types this adapter handles. The registry also accepts subclasses that keep
+    #: the registered type's ``forward``; one with a custom forward is not assumed to keep
+    #: the math.
+    module_types: tuple[type[nn.Module], ...] = ()
+
+    def supports(self, module: nn.Module) -> bool:
+        """Whether this module's configuration is supported (e.g. Conv2d with groups=1)."""
+        return True
+
+    @abstractmethod
+    def a_dim(self, module: nn.Module) -> int:
+        """Side of the A factor: inputs per output unit, plus 1 with a bias."""
+
+    @abstractmethod
+    def g_dim(self, module: nn.Module) -> int:
+        """Side of the G factor: output units."""
+
+    @abstractmethod
+    def a_factor(self, module: nn.Module, inputs: Tensor) -> tuple[Tensor, int]:
+        """The A factor of one forward call and its weight B (examples) for averaging calls."""
+
+    @abstractmethod
+    def g_factor(self, module: nn.Module, grad_output: Tensor) -> tuple[Tensor, int]:
+        """The G factor of one backward call and its weight B (examples) for averaging calls."""
+
+    def has_bias(self, module: nn.Module) -> bool:
+        """Whether the module has a bias parameter."""
+        return isinstance(getattr(module, "bias", None), Tensor)
+
+    def gradient(self, module: nn.Module) -> Tensor | None:
+        """The ``[out, in(+1)]`` gradient matrix, or None when the weight has no gradient."""
+        weight = module.weight
+        assert isinstance(weight, Tensor)
+        if weight.grad is None:
+            return None
+        bias = getattr(module, "bias", None)
+        bias_grad = bias.grad if isinstance(bias, Tensor) else None
+        if isinstance(bias, Tensor) and bias_grad is None:
+            bias_grad = torch.zeros_like(bias)
+        return gradient_matrix(weight.grad, bias_grad)
+
+    def set_gradient(self, module: nn.Module, matrix: Tensor) -> None:
+        """Write a preconditioned ``[out, in(+1)]`` matrix back into the parameters."""
+        write_gradient_matrix(module, matrix)

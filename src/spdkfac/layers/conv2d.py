@@ -1,0 +1,107 @@
+"""K-FAC factors for ``nn.Conv2d`` (groups=1): A over the B·S patch rows, G = (1/B)ΣₙΣₛ δδᵀ."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from spdkfac.layers.base import KFACLayer
+from spdkfac.layers.factors import covariance
+
+__all__ = ["Conv2dLayer", "conv2d_a_factor", "conv2d_g_factor", "conv2d_patches"]
+
+Pair = tuple[int, int]
+
+
+def conv2d_patches(
+    inputs: Tensor, kernel_size: Pair, stride: Pair, padding: Pair, dilation: Pair
+) -> Tensor:
+    """The im2col patch matrix ``[B·S, C·kh·kw]`` of a zero-padded 4-D input."""
+    columns = F.unfold(inputs, kernel_size, dilation=dilation, padding=padding, stride=stride)
+    return columns.transpose(1, 2).reshape(-1, columns.shape[1])
+
+
+def conv2d_a_factor(
+    inputs: Tensor,
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Pair,
+    dilation: Pair,
+    *,
+    bias: bool,
+) -> Tensor:
+    """A = mean over the B·S patch rows of x̄x̄ᵀ (x̄ = [x, 1] with a bias).
+
+    Args:
+        inputs: ``[B, C, H, W]`` layer input, already padded for non-zero padding modes.
+        kernel_size, stride, padding, dilation: The convolution's geometry (zero padding).
+        bias: Append a constant-1 column.
+
+    Returns:
+        ``[C·kh·kw(+1), C·kh·kw(+1)]`` symmetric factor.
+    """
+    patches = conv2d_patches(inputs, kernel_size, stride, padding, dilation)
+    return covariance(patches, bias=bias)
+
+
+def conv2d_g_factor(grad_output: Tensor) -> Tensor:
+    """G = (1/B) Σₙ Σₛ δₙₛδₙₛᵀ with δ = B·g, for ``grad_output`` of shape ``[B, O, oh, ow]``."""
+    batch, channels = grad_output.shape[0], grad_output.shape[1]
+    rows = grad_output.movedim(1, -1).reshape(-1, channels)
+    # covariance divides by B·S; the convention wants B·Σ g gᵀ = B·(B·S)·covariance.
+    return covariance(rows, bias=False).mul_(float(batch) * float(rows.shape[0]))
+
+
+def _as_pair(value: int | tuple[int, ...]) -> Pair:
+    if isinstance(value, int):
+        return (value, value)
+    return (int(value[0]), int(value[1]))
+
+
+class Conv2dLayer(KFACLayer):
+    """Adapter for ``nn.Conv2d`` with ``groups == 1``, any stride, padding and dilation."""
+
+    module_types = (nn.Conv2d,)
+
+    def supports(self, module: nn.Module) -> bool:
+        return isinstance(module, nn.Conv2d) and module.groups == 1
+
+    def a_dim(self, module: nn.Module) -> int:
+        assert isinstance(module, nn.Conv2d)
+        kh, kw = _as_pair(module.kernel_size)
+        return module.in_channels * kh * kw + int(self.has_bias(module))
+
+    def g_dim(self, module: nn.Module) -> int:
+        assert isinstance(module, nn.Conv2d)
+        return module.out_channels
+
+    def a_factor(self, module: nn.Module, inputs: Tensor) -> tuple[Tensor, int]:
+        assert isinstance(module, nn.Conv2d)
+        inputs, padding = _explicit_padding(module, inputs)
+        factor = conv2d_a_factor(
+            inputs,
+            _as_pair(module.kernel_size),
+            _as_pair(module.stride),
+            padding,
+            _as_pair(module.dilation),
+            bias=self.has_bias(module),
+        )
+        return factor, inputs.shape[0]
+
+    def g_factor(self, module: nn.Module, grad_output: Tensor) -> tuple[Tensor, int]:
+        return conv2d_g_factor(grad_output), grad_output.shape[0]
+
+
+def _explicit_padding(module: nn.Conv2d, inputs: Tensor) -> tuple[Tensor, Pair]:
+    """Apply the padding that unfold cannot express (string modes, non-zero padding modes).
+
+    Returns the input to unfold and the symmetric zero padding unfold should still add.
+    """
+    if isinstance(module.padding, str) or module.padding_mode != "zeros":
+        # The module's own forward pads with this 4-tuple; reuse it so geometry matches.
+        pad = module._reversed_padding_repeated_twice
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        if any(pad):
+            inputs = F.pad(inputs, list(pad), mode=mode)
+        return inputs, (0, 0)
+    return inputs, _as_pair(module.padding)

@@ -1,0 +1,138 @@
+"""Damped inverses of symmetric factors and packing of symmetric matrices as upper triangles."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "INVERSE_METHODS",
+    "InverseMethod",
+    "damped_inverse",
+    "is_finite",
+    "pack_triu",
+    "packed_size",
+    "symmetrize",
+    "unpack_triu",
+]
+
+InverseMethod = Literal["cholesky", "eigen"]
+INVERSE_METHODS: tuple[str, ...] = ("cholesky", "eigen")
+
+# Relative floor for clamped eigenvalues in the last-resort fallback: a factor is an average
+# of outer products, so it is PSD in exact arithmetic and negative eigenvalues are rounding.
+_EIGEN_FLOOR = 0.0
+
+
+def is_finite(tensor: Tensor) -> bool:
+    """Whether every element is finite (one reduction, one host sync)."""
+    return bool(torch.isfinite(tensor).all())
+
+
+def symmetrize(matrix: Tensor) -> Tensor:
+    """Return (M + Mᵀ)/2, removing the rounding asymmetry of a product like XᵀX."""
+    return (matrix + matrix.transpose(-1, -2)).mul_(0.5)
+
+
+def packed_size(dim: int) -> int:
+    """Number of elements of the packed upper triangle of a dim x dim matrix."""
+    return dim * (dim + 1) // 2
+
+
+def pack_triu(matrix: Tensor) -> Tensor:
+    """Pack the upper triangle (diagonal included) of a square matrix, row-major, into 1-D."""
+    dim = matrix.shape[-1]
+    rows, cols = torch.triu_indices(dim, dim, device=matrix.device)
+    return matrix[rows, cols]
+
+
+def unpack_triu(packed: Tensor, dim: int) -> Tensor:
+    """Rebuild the symmetric dim x dim matrix from :func:`pack_triu`'s output."""
+    if packed.numel() != packed_size(dim):
+        raise ValueError(
+            f"packed tensor has {packed.numel()} elements, "
+            f"expected {packed_size(dim)} for dim={dim}"
+        )
+    rows, cols = torch.triu_indices(dim, dim, device=packed.device)
+    out = packed.new_empty(dim, dim)
+    out[rows, cols] = packed
+    out[cols, rows] = packed
+    return out
+
+
+def _add_diagonal(matrix: Tensor, value: float) -> Tensor:
+    """A copy of ``matrix`` with ``value`` added to its diagonal (never in place)."""
+    out = matrix.clone()
+    out.diagonal().add_(value)
+    return out
+
+
+def _cholesky_inverse(matrix: Tensor) -> Tensor | None:
+    """(M)⁻¹ by Cholesky, or None when M is not numerically positive definite."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) != 0:
+        return None
+    inverse = torch.cholesky_inverse(factor)
+    return inverse if is_finite(inverse) else None
+
+
+def _eigen_inverse(factor: Tensor, damping: float) -> Tensor:
+    """(F + γI)⁻¹ from an eigendecomposition of F with eigenvalues clamped at 0."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(factor)
+    eigenvalues = eigenvalues.clamp(min=_EIGEN_FLOOR).add_(damping)
+    return torch.matmul(eigenvectors / eigenvalues, eigenvectors.transpose(-1, -2))
+
+
+def damped_inverse(factor: Tensor, damping: float, method: InverseMethod = "cholesky") -> Tensor:
+    """Compute ``(factor + damping·I)⁻¹`` of a symmetric PSD factor, never silently NaN.
+
+    The damping is added to a copy; ``factor`` is not modified. Decompositions run in at
+    least float32 and the result has ``factor``'s dtype when that is float32 or float64.
+
+    ``"cholesky"`` tries Cholesky in the working precision, then in float64, and finally
+    falls back to an eigendecomposition with eigenvalues clamped at zero (which is exact for
+    a PSD factor and well defined for any symmetric one). ``"eigen"`` goes straight to the
+    clamped eigendecomposition in float64 precision when the working precision fails.
+
+    Args:
+        factor: Symmetric ``[d, d]`` matrix.
+        damping: Positive scalar γ added to the diagonal.
+        method: ``"cholesky"`` or ``"eigen"``.
+
+    Returns:
+        The symmetric inverse, shape ``[d, d]``.
+
+    Raises:
+        ValueError: On a non-finite factor, a non-positive damping or an unknown method.
+    """
+    if method not in INVERSE_METHODS:
+        raise ValueError(f"inverse_method must be one of {INVERSE_METHODS}, got {method!r}")
+    if not damping > 0:
+        raise ValueError(f"damping must be > 0, got {damping!r}")
+    if not is_finite(factor):
+        # Never hand a non-finite matrix to a LAPACK/cuSOLVER routine: some loop forever.
+        raise ValueError("factor contains NaN or Inf; refusing to decompose it")
+    out_dtype = factor.dtype if factor.dtype in (torch.float32, torch.float64) else torch.float32
+    work = factor.to(out_dtype)
+    if method == "cholesky":
+        inverse = _cholesky_inverse(_add_diagonal(work, damping))
+        if inverse is None and work.dtype != torch.float64:
+            inverse = _cholesky_inverse(_add_diagonal(work.double(), damping))
+        if inverse is not None:
+            return symmetrize(inverse).to(out_dtype)
+        warnings.warn(
+            "Cholesky failed on a damped factor (not positive definite); using a clamped "
+            "eigendecomposition instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    try:
+        inverse = _eigen_inverse(work, damping)
+    except RuntimeError:  # torch.linalg.LinAlgError: eigh did not converge
+        inverse = _eigen_inverse(work.double(), damping)
+    if not is_finite(inverse) and work.dtype != torch.float64:
+        inverse = _eigen_inverse(work.double(), damping)
+    return symmetrize(inverse).to(out_dtype)

@@ -1,0 +1,105 @@
+"""Model zoo: an MLP, a small CNN and CIFAR ResNets, built by name."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from torch import nn
+
+from spdkfac.models.cnn import SmallCNN
+from spdkfac.models.mlp import MLP
+from spdkfac.models.resnet import BasicBlock, CifarResNet, resnet20, resnet32, resnet56
+
+__all__ = [
+    "MLP",
+    "MODEL_NAMES",
+    "BasicBlock",
+    "CifarResNet",
+    "SmallCNN",
+    "build_model",
+    "resnet20",
+    "resnet32",
+    "resnet56",
+]
+
+_Builder = Callable[[int, int, int], nn.Module]
+
+_BUILDERS: dict[str, _Builder] = {
+    "mlp": lambda classes, channels, size: MLP(
+        num_classes=classes, in_channels=channels, input_size=size
+    ),
+    "cnn": lambda classes, channels, size: SmallCNN(
+        num_classes=classes, in_channels=channels, input_size=size
+    ),
+    "resnet20": lambda classes, channels, _size: resnet20(
+        num_classes=classes, in_channels=channels
+    ),
+    "resnet32": lambda classes, channels, _size: resnet32(
+        num_classes=classes, in_channels=channels
+    ),
+    "resnet56": lambda classes, channels, _size: resnet56(
+        num_classes=classes, in_channels=channels
+    ),
+}
+
+MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+"""Names accepted by :func:`build_model` without torchvision."""
+
+
+def build_model(
+    name: str, *, num_classes: int = 10, in_channels: int = 1, input_size: int = 28
+) -> nn.Module:
+    """Build a freshly initialized model by name.
+
+    Built-in names are those in :data:`MODEL_NAMES`. If torchvision is installed, any other
+    name it knows (e.g. ``"resnet50"``) is built with ``torchvision.models.get_model``
+    without pretrained weights; those models expect 3-channel input.
+
+    Args:
+        name: Model name, case-insensitive.
+        num_classes: Number of output logits.
+        in_channels: Channels of the input images.
+        input_size: Height and width of the (square) input images.
+
+    Returns:
+        The model, in training mode.
+
+    Raises:
+        ValueError: If the name is unknown or a size argument is not positive.
+    """
+    for arg_name, value in (
+        ("num_classes", num_classes),
+        ("in_channels", in_channels),
+        ("input_size", input_size),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg_name} must be a positive int, got {value!r}")
+    key = name.lower()
+    builder = _BUILDERS.get(key)
+    if builder is not None:
+        return builder(num_classes, in_channels, input_size)
+    model = _build_torchvision_model(key, num_classes=num_classes, in_channels=in_channels)
+    if model is None:
+        raise ValueError(
+            f"unknown model name {name!r}; valid names are {', '.join(MODEL_NAMES)}"
+            " (or any torchvision.models name when torchvision is installed)"
+        )
+    return model
+
+
+def _build_torchvision_model(name: str, *, num_classes: int, in_channels: int) -> nn.Module | None:
+    try:
+        tv_models = importlib.import_module("torchvision.models")
+    except ImportError:
+        return None
+    if name not in tv_models.list_models():
+        return None
+    if in_channels != 3:
+        raise ValueError(
+            f"torchvision model {name!r} expects in_channels=3, got in_channels={in_channels}"
+        )
+    model = tv_models.get_model(name, weights=None, num_classes=num_classes)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"torchvision.models.get_model({name!r}) returned {type(model).__name__}")
+    return model

@@ -1,0 +1,57 @@
+"""The ``spdkfac demo`` verb: a tiny end-to-end run, argument errors, missing data."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spdkfac.cli import main
+
+
+def test_demo_runs_end_to_end(tiny_fashion_mnist: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "demo",
+            "--data",
+            str(tiny_fashion_mnist),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "64",
+            "--threads",
+            "1",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "256 train / 64 test images" in out
+    rows = [
+        line for line in out.splitlines() if line.startswith("| sgd") or line.startswith("| kfac")
+    ]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[2]) > 0 and 0.0 <= float(cells[3]) <= 1.0
+
+
+def test_missing_data_directory_names_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nowhere"
+    assert main(["demo", "--data", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert str(missing) in err and "dataset-fashion-mnist" in err
+
+
+@pytest.mark.parametrize(
+    "flag", [["--epochs", "0"], ["--damping", "-1"], ["--model", "vgg"], ["--bogus"]]
+)
+def test_bad_flags_exit_with_code_2(flag: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "spdkfac", "demo", *flag], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "usage:" in result.stderr

@@ -1,0 +1,93 @@
+"""Hooks capture only training forwards with autograd on, and leave no trace when removed."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spdkfac import KFACPreconditioner
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))
+
+
+def _train_step(model: nn.Module, precond: KFACPreconditioner, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(8, 6, generator=generator)
+    targets = torch.randint(0, 3, (8,), generator=generator)
+    model.zero_grad()
+    F.cross_entropy(model(inputs), targets).backward()
+    precond.step()
+
+
+def _pending(precond: KFACPreconditioner) -> list[object]:
+    return [
+        s.a_pending.total for s in precond._layers.values() if s.a_pending.total is not None
+    ] + [s.g_pending.total for s in precond._layers.values() if s.g_pending.total is not None]
+
+
+def test_eval_and_no_grad_forwards_are_not_captured() -> None:
+    model = _model()
+    reference = copy.deepcopy(model)
+    precond = KFACPreconditioner(model)
+    reference_precond = KFACPreconditioner(reference)
+    for step in range(3):
+        # Interleave forwards that must be invisible: eval mode, and no_grad in train mode.
+        model.eval()
+        model(torch.randn(4, 6)).sum()
+        model.train()
+        with torch.no_grad():
+            model(torch.randn(4, 6))
+        assert _pending(precond) == []
+        _train_step(model, precond, step)
+        _train_step(reference, reference_precond, step)
+    for name in precond.layers:
+        for ours, theirs in zip(
+            precond.factors(name), reference_precond.factors(name), strict=True
+        ):
+            assert ours is not None and theirs is not None
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert precond.steps == reference_precond.steps == 3
+
+
+def test_remove_leaves_the_model_as_it_was() -> None:
+    model = _model()
+    plain = copy.deepcopy(model)
+    hooks_before = [
+        (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
+        for m in model.modules()
+    ]
+    precond = KFACPreconditioner(model)
+    assert any(len(m._forward_pre_hooks) for m in model.modules())
+    _train_step(model, precond, 0)
+    precond.remove()
+    hooks_after = [
+        (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
+        for m in model.modules()
+    ]
+    assert hooks_after == hooks_before
+    # No capture after removal, and the model computes exactly what a plain copy does.
+    plain.load_state_dict(model.state_dict())
+    inputs = torch.randn(4, 6)
+    out = model(inputs)
+    out.sum().backward()
+    assert _pending(precond) == []
+    torch.testing.assert_close(out, plain(inputs), rtol=0, atol=0)
+
+
+def test_gradient_accumulation_averages_micro_batches() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 3))
+    precond = KFACPreconditioner(model, kl_clip=None)
+    inputs = torch.randn(8, 4)
+    for half in (inputs[:4], inputs[4:]):
+        (model(half).pow(2).mean() / 2).backward()
+    precond.step()
+    a_factor, _ = precond.factors("0")
+    augmented = torch.cat([inputs, torch.ones(8, 1)], dim=1)
+    torch.testing.assert_close(a_factor, augmented.T @ augmented / 8)

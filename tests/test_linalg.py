@@ -1,0 +1,92 @@
+"""Damped inverses and triangle packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spdkfac.linalg import damped_inverse, pack_triu, packed_size, unpack_triu
+
+
+def _spd(dim: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(dim * 2, dim, generator=generator, dtype=dtype)
+    return x.T @ x / (dim * 2)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 5, 17])
+def test_pack_unpack_round_trip(dim: int) -> None:
+    matrix = _spd(dim, dim)
+    packed = pack_triu(matrix)
+    assert packed.shape == (packed_size(dim),)
+    torch.testing.assert_close(unpack_triu(packed, dim), matrix, rtol=0, atol=0)
+
+
+def test_unpack_rejects_wrong_size() -> None:
+    with pytest.raises(ValueError, match="expected 6"):
+        unpack_triu(torch.zeros(5), 3)
+
+
+@pytest.mark.parametrize("method", ["cholesky", "eigen"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_damped_inverse_matches_float64_inverse(method: str, dtype: torch.dtype) -> None:
+    factor = _spd(12, 0, dtype)
+    original = factor.clone()
+    inverse = damped_inverse(factor, 0.05, method)  # type: ignore[arg-type]
+    expected = torch.linalg.inv(factor.double() + 0.05 * torch.eye(12, dtype=torch.float64))
+    assert inverse.dtype == dtype
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(inverse.double(), expected, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(factor, original, rtol=0, atol=0)  # damping went to a copy
+
+
+@pytest.mark.parametrize(
+    "factor",
+    [-torch.eye(4), torch.zeros(4, 4), torch.ones(4, 4)],
+    ids=["negative-definite", "zero", "rank-one"],
+)
+def test_cholesky_falls_back_on_non_pd_factors(factor: torch.Tensor) -> None:
+    if factor.min() < 0:
+        with pytest.warns(RuntimeWarning, match="eigendecomposition"):
+            inverse = damped_inverse(factor, 0.1, "cholesky")
+        # Eigenvalues clamped at 0, then damped: (0 + 0.1)⁻¹ = 10.
+        torch.testing.assert_close(inverse, 10 * torch.eye(4))
+    else:
+        inverse = damped_inverse(factor, 0.1, "cholesky")
+        expected = torch.linalg.inv(factor.double() + 0.1 * torch.eye(4, dtype=torch.float64))
+        torch.testing.assert_close(inverse.double(), expected, rtol=1e-5, atol=1e-4)
+    assert torch.isfinite(inverse).all()
+
+
+def test_tiny_damping_rank_deficient_is_finite() -> None:
+    factor = torch.ones(6, 6)  # rank one
+    for method in ("cholesky", "eigen"):
+        inverse = damped_inverse(factor, 1e-12, method)  # type: ignore[arg-type]
+        assert torch.isfinite(inverse).all()
+
+
+def test_bfloat16_factor_is_decomposed_in_float32() -> None:
+    factor = _spd(8, 3, torch.float32).to(torch.bfloat16)
+    inverse = damped_inverse(factor, 0.1)
+    assert inverse.dtype == torch.float32
+    expected = torch.linalg.inv(factor.double() + 0.1 * torch.eye(8, dtype=torch.float64))
+    torch.testing.assert_close(inverse.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_factor_is_refused(bad: float) -> None:
+    factor = torch.eye(3)
+    factor[1, 1] = bad
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        damped_inverse(factor, 0.1)
+
+
+@pytest.mark.parametrize("damping", [0.0, -1.0, float("nan")])
+def test_bad_damping(damping: float) -> None:
+    with pytest.raises(ValueError, match="damping"):
+        damped_inverse(torch.eye(2), damping)
+
+
+def test_bad_method() -> None:
+    with pytest.raises(ValueError, match="inverse_method"):
+        damped_inverse(torch.eye(2), 0.1, "lu")  # type: ignore[arg-type]
