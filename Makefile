@@ -7,6 +7,7 @@ STAMP := $(VENV)/.spdkfac-installed
 TORCH_PIN := torch==2.13.0
 # Extra arguments for the demo, e.g. `make demo DEMO_ARGS="--epochs 1"`.
 DEMO_ARGS ?=
+DEMO_WORKERS ?= 2
 
 .PHONY: demo test lint typecheck unit data clean
 
@@ -22,7 +23,8 @@ data:
 	@bash scripts/ensure_fashion_mnist.sh
 
 demo: $(STAMP) data
-	$(BIN)/python -m spdkfac demo $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(DEMO_WORKERS) \
+		-m spdkfac demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -9,12 +9,15 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from spdkfac.linalg import INVERSE_METHODS
+from spdkfac.placement import PLACEMENTS
 
 __all__ = [
+    "STRATEGIES",
     "FloatSchedule",
     "IntSchedule",
     "KFACConfig",
     "SkipEntry",
+    "StrategyPreset",
     "resolve_float",
     "resolve_interval",
 ]
@@ -22,6 +25,28 @@ __all__ = [
 FloatSchedule = float | Callable[[int], float]
 IntSchedule = int | Callable[[int], int]
 SkipEntry = str | type[nn.Module]
+
+
+@dataclass(frozen=True)
+class StrategyPreset:
+    """A distributed K-FAC algorithm as a composition of policies.
+
+    Attributes:
+        factor_exchange: When factors are all-reduced (``"after-backward"``: in ``step()``).
+        placement: Inverse placement planner (see :mod:`spdkfac.placement`).
+    """
+
+    factor_exchange: str
+    placement: str
+
+
+#: The named algorithms: D-KFAC (replicated inverses), MPD-KFAC (round-robin, every
+#: inverse broadcast) and SPD-KFAC (load-balanced CT/NCT placement by a cost model).
+STRATEGIES: dict[str, StrategyPreset] = {
+    "d-kfac": StrategyPreset(factor_exchange="after-backward", placement="replicated"),
+    "mpd-kfac": StrategyPreset(factor_exchange="after-backward", placement="round-robin"),
+    "spd-kfac": StrategyPreset(factor_exchange="after-backward", placement="balanced"),
+}
 
 
 def _check_positive_float(name: str, value: object, *, allow_zero: bool = False) -> float:
@@ -79,6 +104,9 @@ class KFACConfig:
         lr: Learning rate η used by the KL clip (match the optimizer's).
         inverse_method: ``"cholesky"`` or ``"eigen"``; both compute (F + γI)⁻¹.
         skip_layers: Module names (a name also skips its children) or module types.
+        strategy: ``"spd-kfac"``, ``"mpd-kfac"`` or ``"d-kfac"`` (see :data:`STRATEGIES`).
+        placement: Overrides the strategy's inverse placement (``"replicated"``,
+            ``"round-robin"`` or ``"balanced"``); None keeps the preset's.
     """
 
     damping: FloatSchedule = 0.003
@@ -89,6 +117,8 @@ class KFACConfig:
     lr: FloatSchedule = 0.1
     inverse_method: str = "cholesky"
     skip_layers: tuple[SkipEntry, ...] = field(default=())
+    strategy: str = "spd-kfac"
+    placement: str | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.damping):
@@ -125,6 +155,32 @@ class KFACConfig:
                     f"skip_layers entries must be module names or nn.Module types, got {entry!r}"
                 )
         object.__setattr__(self, "skip_layers", entries)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
+        if self.placement is not None and self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+
+    @property
+    def inverse_placement(self) -> str:
+        """The placement in effect: the override, else the strategy's."""
+        return self.placement or STRATEGIES[self.strategy].placement
+
+    @property
+    def factor_exchange(self) -> str:
+        """The factor exchange policy of the strategy."""
+        return STRATEGIES[self.strategy].factor_exchange
+
+    def fingerprint(self) -> str:
+        """A text that is equal on two ranks iff their options are (callables by name)."""
+        parts = []
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if callable(value) and not isinstance(value, type):
+                value = f"callable:{getattr(value, '__qualname__', type(value).__name__)}"
+            elif name == "skip_layers":
+                value = tuple(v if isinstance(v, str) else v.__qualname__ for v in value)
+            parts.append(f"{name}={value!r}")
+        return ";".join(parts)
 
     def damping_at(self, step: int) -> float:
         """Damping γ at ``step``."""

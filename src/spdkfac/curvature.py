@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -9,7 +10,13 @@ from torch import Tensor, nn
 
 from spdkfac.layers import KFACLayer
 
-__all__ = ["FactorAccumulator", "LayerState", "running_average"]
+__all__ = [
+    "FactorAccumulator",
+    "LayerState",
+    "layer_states_to_dict",
+    "load_layer_states",
+    "running_average",
+]
 
 
 @dataclass
@@ -87,3 +94,53 @@ class LayerState:
         """Drop contributions captured since the last factor update."""
         self.a_pending.clear()
         self.g_pending.clear()
+
+
+_STATE_KEYS = ("a_factor", "g_factor", "a_inverse", "g_inverse")
+
+
+def layer_states_to_dict(layers: Mapping[str, LayerState]) -> dict[str, dict[str, Tensor | None]]:
+    """Copies of every layer's factors and inverses, keyed by layer name."""
+    return {
+        name: {
+            key: None if (value := getattr(state, key)) is None else value.detach().clone()
+            for key in _STATE_KEYS
+        }
+        for name, state in layers.items()
+    }
+
+
+def load_layer_states(
+    layers: Mapping[str, LayerState], saved: Mapping[str, Mapping[str, Tensor | None]]
+) -> None:
+    """Restore :func:`layer_states_to_dict`'s output; validates everything before writing.
+
+    Raises:
+        ValueError: When the layer names or a tensor's shape differ.
+    """
+    if set(saved) != set(layers):
+        missing = sorted(set(layers) - set(saved))
+        extra = sorted(set(saved) - set(layers))
+        raise ValueError(
+            f"state_dict layers differ from the registered ones: missing {missing}, "
+            f"unexpected {extra}"
+        )
+    restored: dict[str, dict[str, Tensor | None]] = {}
+    for name, state in layers.items():
+        weight = state.module.weight
+        assert isinstance(weight, Tensor)
+        entry: dict[str, Tensor | None] = {}
+        for key in _STATE_KEYS:
+            value = saved[name][key]
+            dim = state.a_dim if key.startswith("a_") else state.g_dim
+            if value is not None and tuple(value.shape) != (dim, dim):
+                raise ValueError(
+                    f"state_dict {key} of layer {name!r} has shape {tuple(value.shape)}, "
+                    f"expected {(dim, dim)}"
+                )
+            entry[key] = None if value is None else value.to(weight.device).clone()
+        restored[name] = entry
+    for name, entry in restored.items():
+        for key, value in entry.items():
+            setattr(layers[name], key, value)
+        layers[name].clear_pending()

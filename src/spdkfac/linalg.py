@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Literal
 
@@ -12,6 +13,7 @@ __all__ = [
     "INVERSE_METHODS",
     "InverseMethod",
     "damped_inverse",
+    "inverse_dtype",
     "is_finite",
     "pack_triu",
     "packed_size",
@@ -33,8 +35,13 @@ def is_finite(tensor: Tensor) -> bool:
 
 
 def symmetrize(matrix: Tensor) -> Tensor:
-    """Return (M + Mᵀ)/2, removing the rounding asymmetry of a product like XᵀX."""
-    return (matrix + matrix.transpose(-1, -2)).mul_(0.5)
+    """Return (M + Mᵀ)/2 in row-major layout, removing the rounding asymmetry of XᵀX.
+
+    The result is exactly symmetric (IEEE addition commutes). Its layout is forced to be
+    contiguous: a product with a column-major copy rounds differently, which would make a
+    locally computed inverse and a broadcast one give different preconditioned gradients.
+    """
+    return (matrix + matrix.transpose(-1, -2)).mul_(0.5).contiguous()
 
 
 def packed_size(dim: int) -> int:
@@ -42,10 +49,16 @@ def packed_size(dim: int) -> int:
     return dim * (dim + 1) // 2
 
 
+@functools.lru_cache(maxsize=256)
+def _triu_indices(dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    # Cached: packing runs for every factor on every exchange.
+    rows, cols = torch.triu_indices(dim, dim, device=device)
+    return rows, cols
+
+
 def pack_triu(matrix: Tensor) -> Tensor:
     """Pack the upper triangle (diagonal included) of a square matrix, row-major, into 1-D."""
-    dim = matrix.shape[-1]
-    rows, cols = torch.triu_indices(dim, dim, device=matrix.device)
+    rows, cols = _triu_indices(matrix.shape[-1], matrix.device)
     return matrix[rows, cols]
 
 
@@ -56,11 +69,16 @@ def unpack_triu(packed: Tensor, dim: int) -> Tensor:
             f"packed tensor has {packed.numel()} elements, "
             f"expected {packed_size(dim)} for dim={dim}"
         )
-    rows, cols = torch.triu_indices(dim, dim, device=packed.device)
+    rows, cols = _triu_indices(dim, packed.device)
     out = packed.new_empty(dim, dim)
     out[rows, cols] = packed
     out[cols, rows] = packed
     return out
+
+
+def inverse_dtype(factor_dtype: torch.dtype) -> torch.dtype:
+    """Dtype of :func:`damped_inverse`'s result: float64 stays, everything else is float32."""
+    return factor_dtype if factor_dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def _add_diagonal(matrix: Tensor, value: float) -> Tensor:
@@ -115,7 +133,7 @@ def damped_inverse(factor: Tensor, damping: float, method: InverseMethod = "chol
     if not is_finite(factor):
         # Never hand a non-finite matrix to a LAPACK/cuSOLVER routine: some loop forever.
         raise ValueError("factor contains NaN or Inf; refusing to decompose it")
-    out_dtype = factor.dtype if factor.dtype in (torch.float32, torch.float64) else torch.float32
+    out_dtype = inverse_dtype(factor.dtype)
     work = factor.to(out_dtype)
     if method == "cholesky":
         inverse = _cholesky_inverse(_add_diagonal(work, damping))

@@ -1,10 +1,9 @@
-"""``KFACPreconditioner``: wires capture, curvature, inverses and preconditioning into a step."""
+"""``KFACPreconditioner``: wires capture, exchange, placement and inverses into a step."""
 
 from __future__ import annotations
 
+import hashlib
 import math
-import warnings
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -12,79 +11,44 @@ import torch
 from torch import Tensor, nn
 
 from spdkfac.capture import ActivationCapture
+from spdkfac.comm import Communicator, make_communicator
+from spdkfac.comm.exchange import FactorExchange
 from spdkfac.config import FloatSchedule, IntSchedule, KFACConfig, SkipEntry
-from spdkfac.curvature import LayerState, running_average
-from spdkfac.layers import lookup, precondition
-from spdkfac.linalg import InverseMethod, damped_inverse
+from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel
+from spdkfac.curvature import (
+    LayerState,
+    layer_states_to_dict,
+    load_layer_states,
+    running_average,
+)
+from spdkfac.discovery import discover_layers, unwrap_model
+from spdkfac.inversion import invert_factors
+from spdkfac.layers import precondition
+from spdkfac.linalg import InverseMethod
+from spdkfac.placement import FactorSpec, Plan, plan_inversions
 
 __all__ = ["KFACPreconditioner"]
 
 _STATE_FORMAT = 1
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a ``DistributedDataParallel`` (or similar) wrapper."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        inner = model.module
-        assert isinstance(inner, nn.Module)
-        return inner
-    return model
-
-
-def _is_skipped(name: str, module: nn.Module, skip: Iterable[SkipEntry]) -> bool:
-    for entry in skip:
-        if isinstance(entry, str):
-            if name == entry or name.startswith(entry + "."):
-                return True
-        elif isinstance(module, entry):
-            return True
-    return False
-
-
-def _discover_layers(model: nn.Module, skip: tuple[SkipEntry, ...]) -> dict[str, LayerState]:
-    """Registered layers in ``named_modules`` order; warns once about unsupported ones."""
-    layers: dict[str, LayerState] = {}
-    unsupported: Counter[str] = Counter()
-    matched: set[str] = set()
-    for name, module in model.named_modules():
-        for entry in skip:
-            if isinstance(entry, str) and (name == entry or name.startswith(entry + ".")):
-                matched.add(entry)
-        if _is_skipped(name, module, skip):
-            continue
-        adapter = lookup(module)
-        if adapter is not None:
-            weight = getattr(module, "weight", None)
-            if isinstance(weight, Tensor) and weight.requires_grad:
-                layers[name] = LayerState(name=name, module=module, adapter=adapter)
-            continue
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
-            unsupported[type(module).__name__] += 1
-    for entry in skip:
-        if isinstance(entry, str) and entry not in matched:
-            raise ValueError(f"skip_layers entry {entry!r} matches no module of the model")
-    if not layers:
-        raise ValueError(
-            "model has no layer K-FAC supports (nn.Linear, nn.Conv2d with groups=1) "
-            "outside skip_layers"
-        )
-    if unsupported:
-        listed = ", ".join(f"{kind} ({count})" for kind, count in sorted(unsupported.items()))
-        warnings.warn(
-            f"spdkfac: these layers are not preconditioned and keep their plain gradient: {listed}",
-            UserWarning,
-            stacklevel=3,
-        )
-    return layers
+def _all_finite(tensors: Iterable[Tensor]) -> bool:
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 class KFACPreconditioner:
-    """K-FAC preconditioner for the Linear and Conv2d layers of a model.
+    """K-FAC preconditioner for the Linear and Conv2d layers of a model, data parallel.
 
     Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``: it replaces
     each registered layer's weight and bias gradient by the preconditioned gradient
     ``V = (G + γI)⁻¹ ∇ (A + γI)⁻¹`` (scaled by the KL clip) and advances its step counter.
     Works with any ``torch.optim`` optimizer. Conventions are those of ``DESIGN.md``.
+
+    In a ``torch.distributed`` job (gradients averaged by ``DistributedDataParallel`` or
+    otherwise), factors are averaged across ranks, weighted by each rank's examples, and
+    inversions are placed by the strategy's planner; every rank ends with the same
+    preconditioned gradient that single-process K-FAC computes on the concatenated batch.
 
     Args:
         model: The model, plain or wrapped in ``DistributedDataParallel``.
@@ -96,10 +60,17 @@ class KFACPreconditioner:
         lr: Learning rate used by the KL clip (float or callable of the step).
         inverse_method: ``"cholesky"`` or ``"eigen"``.
         skip_layers: Module names or ``nn.Module`` types to leave alone.
+        strategy: ``"spd-kfac"`` (default), ``"mpd-kfac"`` or ``"d-kfac"``.
+        placement: Override of the strategy's inverse placement.
+        process_group: The ``torch.distributed`` group (default: the world when
+            initialized, else a group of one).
+        cost_model: Costs the ``balanced`` placement decides from (default: constants
+            measured on the project's reference machine).
 
     Raises:
-        ValueError: On an invalid option (naming it and its value) or a model without any
-            supported layer.
+        ValueError: On an invalid option (naming it and its value), a model without any
+            supported layer, a process group this rank is not in, or ranks that disagree
+            on the options or the registered layers (raised on every rank).
     """
 
     def __init__(
@@ -114,11 +85,17 @@ class KFACPreconditioner:
         lr: FloatSchedule = 0.1,
         inverse_method: InverseMethod = "cholesky",
         skip_layers: Iterable[SkipEntry] = (),
+        strategy: str = "spd-kfac",
+        placement: str | None = None,
+        process_group: Any = None,
+        cost_model: CostModel | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if isinstance(skip_layers, (str, type)):
             raise ValueError(f"skip_layers must be a sequence, got {skip_layers!r}")
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise ValueError(f"cost_model must be a CostModel, got {cost_model!r}")
         self.config = KFACConfig(
             damping=damping,
             factor_decay=factor_decay,
@@ -128,18 +105,80 @@ class KFACPreconditioner:
             lr=lr,
             inverse_method=inverse_method,
             skip_layers=tuple(skip_layers),
+            strategy=strategy,
+            placement=placement,
         )
-        self._model = _unwrap(model)
-        self._layers = _discover_layers(self._model, self.config.skip_layers)
+        self._communicator: Communicator = make_communicator(process_group)
+        self._model = unwrap_model(model)
+        try:
+            layers: dict[str, LayerState] | None = discover_layers(
+                self._model, self.config.skip_layers
+            )
+            local_error: ValueError | None = None
+        except ValueError as error:
+            layers, local_error = None, error
+        self._check_agreement(layers, local_error)
+        assert layers is not None
+        self._layers = layers
         self._forward_order: list[str] = []
         self._step = 0
         self._skipped_steps = 0
+        specs = [
+            FactorSpec(name, kind, state.a_dim if kind == "A" else state.g_dim)
+            for name, state in layers.items()
+            for kind in ("A", "G")
+        ]
+        self._plan = plan_inversions(
+            specs,
+            self._communicator.world_size,
+            self.config.inverse_placement,
+            cost_model or DEFAULT_COST_MODEL,
+        )
+        wide = any(state.factor_dtype == torch.float64 for state in layers.values())
+        self._exchange = FactorExchange(
+            self._communicator,
+            [(spec.key, spec.dim) for spec in specs],
+            dtype=torch.float64 if wide else torch.float32,
+        )
         self._capture = ActivationCapture(
-            {name: state.module for name, state in self._layers.items()},
+            {name: state.module for name, state in layers.items()},
             on_input=self._capture_input,
             on_grad_output=self._capture_grad_output,
             enabled=self._capturing,
         )
+
+    def _check_agreement(
+        self, layers: Mapping[str, LayerState] | None, local_error: ValueError | None
+    ) -> None:
+        """All ranks compare a digest of options and layers; any difference fails all."""
+        if self._communicator.world_size == 1:
+            if local_error is not None:
+                raise local_error
+            return
+        text = (
+            self.config.fingerprint()
+            + "|"
+            + (
+                "error"
+                if layers is None
+                else ";".join(f"{n}:{s.a_dim}x{s.g_dim}" for n, s in layers.items())
+            )
+        )
+        digest = torch.frombuffer(
+            bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8
+        )
+        gathered = self._communicator.all_gather(digest.to(self._communicator.device)).wait()
+        if local_error is not None:
+            raise local_error
+        differing = [
+            r for r, d in enumerate(gathered) if not torch.equal(d.cpu(), gathered[0].cpu())
+        ]
+        if differing:
+            raise ValueError(
+                f"ranks disagree on the K-FAC options or registered layers: ranks {differing} "
+                f"differ from rank 0 (rank {self._communicator.rank}: {len(layers or {})} "
+                f"layers, {self.config.fingerprint()})"
+            )
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -147,6 +186,16 @@ class KFACPreconditioner:
         """Registered module names in forward order (definition order until first seen)."""
         seen = set(self._forward_order)
         return self._forward_order + [name for name in self._layers if name not in seen]
+
+    @property
+    def plan(self) -> Plan:
+        """Where each factor is inverted (see :mod:`spdkfac.placement`)."""
+        return self._plan
+
+    @property
+    def communicator(self) -> Communicator:
+        """The group factors and inverses are exchanged over."""
+        return self._communicator
 
     @property
     def steps(self) -> int:
@@ -189,11 +238,15 @@ class KFACPreconditioner:
     def step(self) -> bool:
         """Precondition the registered gradients in place and advance the step counter.
 
+        The collectives a step issues depend only on the step counter and the config, so
+        every rank issues the same ones in the same order.
+
         Returns:
             True when the update was applied. False when it was skipped because a gradient,
-            a factor or the KL-clip sum was non-finite: gradients are then left as they
+            a captured factor or the KL-clip sum was non-finite: gradients are left as they
             were, no factor absorbs the step, and the caller should skip
-            ``optimizer.step()``.
+            ``optimizer.step()``. On factor-update steps the decision is agreed by all
+            ranks; otherwise it is local (identical when gradients are all-reduced).
         """
         step = self._step
         self._step += 1
@@ -202,14 +255,13 @@ class KFACPreconditioner:
             for name, state in self._layers.items()
             if (grad := state.adapter.gradient(state.module)) is not None
         }
-        if not self._all_finite(gradients.values()):
-            return self._skip()
+        usable = _all_finite(gradients.values())
         if self.config.is_factor_step(step):
-            if not self._pending_finite():
-                return self._skip()
-            self._update_factors()
+            usable = self._update_factors(local_ok=usable) and usable
         if self.config.is_inverse_step(step):
             self._update_inverses(self.config.damping_at(step))
+        if not usable:
+            return self._skip()
         preconditioned = {
             name: precondition(grad, state.a_inverse, state.g_inverse)
             if (state := self._layers[name]).a_inverse is not None and state.g_inverse is not None
@@ -218,51 +270,75 @@ class KFACPreconditioner:
         }
         scale = self._kl_clip_scale(gradients, preconditioned, step)
         if scale is None:
-            return self._skip(clear_pending=False)
+            return self._skip()
         for name, matrix in preconditioned.items():
             state = self._layers[name]
             state.adapter.set_gradient(state.module, matrix.mul_(scale) if scale != 1.0 else matrix)
         return True
 
-    def _skip(self, *, clear_pending: bool = True) -> bool:
-        if clear_pending:
-            for state in self._layers.values():
-                state.clear_pending()
+    def _skip(self) -> bool:
         self._skipped_steps += 1
         return False
 
-    @staticmethod
-    def _all_finite(tensors: Iterable[Tensor]) -> bool:
-        flags = [torch.isfinite(t).all() for t in tensors]
-        return bool(torch.stack(flags).all()) if flags else True
+    def _update_factors(self, *, local_ok: bool) -> bool:
+        """Fold this step's captured factors into the running averages (globally).
 
-    def _pending_finite(self) -> bool:
-        pending = [
+        Returns:
+            False when some rank saw non-finite values; then no factor changes anywhere.
+        """
+        local_ok = local_ok and _all_finite(
             total
             for state in self._layers.values()
             for total in (state.a_pending.total, state.g_pending.total)
             if total is not None
-        ]
-        return self._all_finite(pending)
-
-    def _update_factors(self) -> None:
-        decay = self.config.factor_decay
+        )
+        new = self._global_contributions(local_ok)
         for state in self._layers.values():
-            a_new, g_new = state.a_pending.mean(), state.g_pending.mean()
-            # A layer seen in forward but not in backward (or vice versa) this step keeps
-            # both factors as they were, so A and G always describe the same examples.
+            state.clear_pending()
+        if new is None:
+            return False
+        decay = self.config.factor_decay
+        for name, state in self._layers.items():
+            a_new, g_new = new.get(f"{name}/A"), new.get(f"{name}/G")
+            # A layer seen in forward but not in backward (or vice versa) keeps both
+            # factors as they were, so A and G always describe the same examples.
             if a_new is not None and g_new is not None:
                 state.a_factor = running_average(state.a_factor, a_new, decay)
                 state.g_factor = running_average(state.g_factor, g_new, decay)
-            state.clear_pending()
+        return True
+
+    def _global_contributions(self, local_ok: bool) -> dict[str, Tensor | None] | None:
+        """This step's factors averaged over all ranks; None when any rank flagged."""
+        if self._communicator.world_size == 1:
+            if not local_ok:
+                return None
+            return {
+                f"{name}/{kind}": pending.mean()
+                for name, state in self._layers.items()
+                for kind, pending in (("A", state.a_pending), ("G", state.g_pending))
+            }
+        contributions: dict[str, tuple[Tensor, float]] = {}
+        if local_ok:
+            for name, state in self._layers.items():
+                for kind, pending in (("A", state.a_pending), ("G", state.g_pending)):
+                    mean = pending.mean()
+                    if mean is not None:
+                        contributions[f"{name}/{kind}"] = (mean, float(pending.weight))
+        result = self._exchange.start(contributions, flagged=not local_ok).wait()
+        return None if result.flagged_ranks else result.factors
 
     def _update_inverses(self, damping: float) -> None:
+        factors: dict[str, Tensor] = {}
+        for name, state in self._layers.items():
+            if state.a_factor is not None and state.g_factor is not None:
+                factors[f"{name}/A"] = state.a_factor
+                factors[f"{name}/G"] = state.g_factor
         method: InverseMethod = "eigen" if self.config.inverse_method == "eigen" else "cholesky"
-        for state in self._layers.values():
-            if state.a_factor is None or state.g_factor is None:
-                continue
-            state.a_inverse = damped_inverse(state.a_factor, damping, method)
-            state.g_inverse = damped_inverse(state.g_factor, damping, method)
+        inverses = invert_factors(factors, self._plan, self._communicator, damping, method)
+        for name, state in self._layers.items():
+            if f"{name}/A" in inverses:
+                state.a_inverse = inverses[f"{name}/A"]
+                state.g_inverse = inverses[f"{name}/G"]
 
     def _kl_clip_scale(
         self, gradients: Mapping[str, Tensor], preconditioned: Mapping[str, Tensor], step: int
@@ -282,25 +358,17 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Factors, inverses and counters, as a dict of copies (safe to ``torch.save``)."""
+        """Factors, inverses and counters, as a dict of copies (safe to ``torch.save``).
 
-        def copy(tensor: Tensor | None) -> Tensor | None:
-            return None if tensor is None else tensor.detach().clone()
-
+        Factors and inverses are the same on every rank, so any rank's state dict can
+        resume any world size.
+        """
         return {
             "format": _STATE_FORMAT,
             "steps": self._step,
             "skipped_steps": self._skipped_steps,
             "forward_order": list(self._forward_order),
-            "layers": {
-                name: {
-                    "a_factor": copy(state.a_factor),
-                    "g_factor": copy(state.g_factor),
-                    "a_inverse": copy(state.a_inverse),
-                    "g_inverse": copy(state.g_inverse),
-                }
-                for name, state in self._layers.items()
-            },
+            "layers": layer_states_to_dict(self._layers),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -313,38 +381,10 @@ class KFACPreconditioner:
             raise ValueError(
                 f"state_dict format {state_dict.get('format')!r} is not {_STATE_FORMAT}"
             )
-        saved = state_dict["layers"]
-        if set(saved) != set(self._layers):
-            missing = sorted(set(self._layers) - set(saved))
-            extra = sorted(set(saved) - set(self._layers))
-            raise ValueError(
-                f"state_dict layers differ from the registered ones: missing {missing}, "
-                f"unexpected {extra}"
-            )
-        restored: dict[str, dict[str, Tensor | None]] = {}
-        for name, state in self._layers.items():
-            weight = state.module.weight
-            assert isinstance(weight, Tensor)
-            entry: dict[str, Tensor | None] = {}
-            for key in ("a_factor", "g_factor", "a_inverse", "g_inverse"):
-                value = saved[name][key]
-                dim = state.a_dim if key.startswith("a_") else state.g_dim
-                if value is not None and tuple(value.shape) != (dim, dim):
-                    raise ValueError(
-                        f"state_dict {key} of layer {name!r} has shape {tuple(value.shape)}, "
-                        f"expected {(dim, dim)}"
-                    )
-                entry[key] = None if value is None else value.to(weight.device).clone()
-            restored[name] = entry
-        for name, entry in restored.items():
-            state = self._layers[name]
-            state.a_factor, state.g_factor = entry["a_factor"], entry["g_factor"]
-            state.a_inverse, state.g_inverse = entry["a_inverse"], entry["g_inverse"]
-            state.clear_pending()
+        load_layer_states(self._layers, state_dict["layers"])
         self._step = int(state_dict["steps"])
         self._skipped_steps = int(state_dict.get("skipped_steps", 0))
-        order = [name for name in state_dict.get("forward_order", []) if name in self._layers]
-        self._forward_order = order
+        self._forward_order = [n for n in state_dict.get("forward_order", []) if n in self._layers]
 
     def remove(self) -> None:
         """Remove every hook this preconditioner installed; the model is left as it was."""
@@ -355,5 +395,5 @@ class KFACPreconditioner:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(layers={len(self._layers)}, steps={self._step}, "
-            f"config={self.config})"
+            f"world_size={self._communicator.world_size}, config={self.config})"
         )

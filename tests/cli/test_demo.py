@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,13 +29,27 @@ def test_demo_runs_end_to_end(tiny_fashion_mnist: Path, capsys: pytest.CaptureFi
     assert code == 0
     out = capsys.readouterr().out
     assert "256 train / 64 test images" in out
-    rows = [
-        line for line in out.splitlines() if line.startswith("| sgd") or line.startswith("| kfac")
-    ]
+    rows = [line for line in out.splitlines() if line.startswith(("| sgd", "| spd-kfac"))]
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[2]) > 0 and 0.0 <= float(cells[3]) <= 1.0
+
+
+def test_demo_under_torchrun_with_two_workers(tiny_fashion_mnist: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "spdkfac", "demo"]
+    args = ["--data", str(tiny_fashion_mnist), "--epochs", "1", "--batch-size", "32"]
+    result = subprocess.run(
+        command + args,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 worker(s) x batch 32" in result.stdout
+    assert result.stdout.count("| spd-kfac | 1 |") == 1  # printed by rank 0 only
 
 
 def test_missing_data_directory_names_the_path(

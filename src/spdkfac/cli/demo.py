@@ -1,4 +1,7 @@
-"""``spdkfac demo``: train a small CNN on Fashion-MNIST with SGD, then with K-FAC, side by side."""
+"""``spdkfac demo``: a small CNN on Fashion-MNIST with SGD, then with K-FAC, side by side.
+
+Runs on one process, or data parallel under ``torchrun`` (``make demo`` uses two workers).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +15,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 from spdkfac.cli.progress import ProgressBar
+from spdkfac.comm import Communicator, destroy_distributed, init_distributed
+from spdkfac.config import STRATEGIES
 from spdkfac.data import DEFAULT_FASHION_MNIST_DIR, load_fashion_mnist
 from spdkfac.models import MODEL_NAMES, build_model
 from spdkfac.preconditioner import KFACPreconditioner
@@ -41,7 +46,8 @@ def add_parser(verbs: Any) -> None:
         help="train a small CNN on Fashion-MNIST with SGD and with K-FAC and compare",
         description=(
             "Train the same model from the same initialisation with SGD (momentum 0.9) and "
-            "with SGD preconditioned by K-FAC, and print a per-epoch table."
+            "with SGD preconditioned by K-FAC, and print a per-epoch table. Under torchrun "
+            "the workers train data parallel (DistributedDataParallel + distributed K-FAC)."
         ),
     )
     parser.add_argument(
@@ -52,7 +58,12 @@ def add_parser(verbs: Any) -> None:
     )
     parser.add_argument("--model", choices=MODEL_NAMES, default="cnn", help="built-in model")
     parser.add_argument("--epochs", type=_positive_int, default=2, help="epochs per optimizer")
-    parser.add_argument("--batch-size", type=_positive_int, default=128, help="batch size")
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=64, help="batch size per worker"
+    )
+    parser.add_argument(
+        "--strategy", choices=tuple(STRATEGIES), default="spd-kfac", help="distributed K-FAC"
+    )
     parser.add_argument("--sgd-lr", type=_positive_float, default=0.05, help="SGD learning rate")
     parser.add_argument(
         "--kfac-lr", type=_positive_float, default=0.05, help="learning rate with K-FAC"
@@ -94,22 +105,32 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _evaluate(model: nn.Module, dataset: TensorDataset) -> float:
+def _evaluate(model: nn.Module, dataset: TensorDataset, comm: Communicator) -> float:
+    """Test accuracy over the whole set, each rank scoring its own shard."""
     model.eval()
-    correct = 0
+    shard = Subset(dataset, range(comm.rank, len(dataset), comm.world_size))
+    counts = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
-        for images, labels in DataLoader(dataset, batch_size=1000):
-            correct += int((model(images).argmax(1) == labels).sum())
+        for images, labels in DataLoader(shard, batch_size=1000):
+            counts[0] += int((model(images).argmax(1) == labels).sum())
+            counts[1] += len(labels)
     model.train()
-    return correct / len(dataset)
+    comm.all_reduce_sum(counts).wait()
+    return float(counts[0] / counts[1])
 
 
 def _train(
-    optimizer_name: str, args: argparse.Namespace, train_set: TensorDataset, test_set: TensorDataset
+    optimizer_name: str,
+    args: argparse.Namespace,
+    train_set: TensorDataset,
+    test_set: TensorDataset,
+    comm: Communicator,
 ) -> list[EpochResult]:
     torch.manual_seed(args.seed)
-    model = build_model(args.model, num_classes=10, in_channels=1, input_size=28)
-    use_kfac = optimizer_name == "kfac"
+    model: nn.Module = build_model(args.model, num_classes=10, in_channels=1, input_size=28)
+    if comm.world_size > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    use_kfac = optimizer_name != "sgd"
     lr = args.kfac_lr if use_kfac else args.sgd_lr
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     precond = (
@@ -120,15 +141,20 @@ def _train(
             kl_clip=args.kl_clip,
             factor_update_steps=args.factor_update_steps,
             inv_update_steps=args.inv_update_steps,
+            strategy=args.strategy,
         )
         if use_kfac
         else None
     )
-    generator = torch.Generator().manual_seed(args.seed)
-    loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, generator=generator)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        train_set, num_replicas=comm.world_size, rank=comm.rank, shuffle=True, seed=args.seed
+    )
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     results = []
     for epoch in range(1, args.epochs + 1):
-        bar = ProgressBar(len(loader), f"{optimizer_name:>4} epoch {epoch}")
+        sampler.set_epoch(epoch)
+        label = f"{optimizer_name:>8} epoch {epoch}"
+        bar = ProgressBar(len(loader), label, enabled=comm.rank == 0)
         start = time.perf_counter()
         total_loss, batches = 0.0, 0
         for images, labels in loader:
@@ -141,13 +167,14 @@ def _train(
             batches += 1
             bar.update(batches, f"loss {total_loss / batches:.4f}")
         seconds = time.perf_counter() - start
-        accuracy = _evaluate(model, test_set)
-        bar.close(f"loss {total_loss / batches:.4f} test acc {accuracy:.4f}")
+        mean_loss = comm.all_reduce_average(torch.tensor([total_loss / batches])).wait()
+        accuracy = _evaluate(model, test_set, comm)
+        bar.close(f"loss {float(mean_loss):.4f} test acc {accuracy:.4f}")
         results.append(
             EpochResult(
                 optimizer=optimizer_name,
                 epoch=epoch,
-                train_loss=total_loss / batches,
+                train_loss=float(mean_loss),
                 test_accuracy=accuracy,
                 seconds=seconds,
                 iteration_ms=1000 * seconds / batches,
@@ -171,17 +198,26 @@ def format_table(results: list[EpochResult]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; returns the process exit code."""
+    """Run the demo on this process's rank; returns the process exit code."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    # Every rank loads (and fails on a missing path) before joining the group.
     train_set = load_fashion_mnist(args.data, train=True, limit=args.train_limit)
     test_set = load_fashion_mnist(args.data, train=False)
-    print(
-        f"Fashion-MNIST from {args.data}: {len(train_set)} train / {len(test_set)} test images; "
-        f"model {args.model}, batch {args.batch_size}, {args.epochs} epoch(s) per optimizer"
-    )
-    results = []
-    for name in ("sgd", "kfac"):
-        results.extend(_train(name, args, train_set, test_set))
-    print(format_table(results))
+    comm = init_distributed()
+    try:
+        if comm.rank == 0:
+            print(
+                f"Fashion-MNIST from {args.data}: {len(train_set)} train / {len(test_set)} "
+                f"test images; model {args.model}; {comm.world_size} worker(s) x batch "
+                f"{args.batch_size}; {args.epochs} epoch(s) per optimizer",
+                flush=True,
+            )
+        results = []
+        for name in ("sgd", args.strategy):
+            results.extend(_train(name, args, train_set, test_set, comm))
+        if comm.rank == 0:
+            print(format_table(results))
+    finally:
+        destroy_distributed()
     return 0

@@ -1,0 +1,26 @@
+"""Communication: the ``Communicator`` protocol, its implementations, the factor exchange."""
+
+from __future__ import annotations
+
+from spdkfac.comm.base import Communicator, completed
+from spdkfac.comm.distributed import (
+    TorchDistributedCommunicator,
+    barrier,
+    destroy_distributed,
+    init_distributed,
+    is_distributed,
+    make_communicator,
+)
+from spdkfac.comm.local import LocalCommunicator
+
+__all__ = [
+    "Communicator",
+    "LocalCommunicator",
+    "TorchDistributedCommunicator",
+    "barrier",
+    "completed",
+    "destroy_distributed",
+    "init_distributed",
+    "is_distributed",
+    "make_communicator",
+]

@@ -1,0 +1,173 @@
+"""The ``torch.distributed`` communicator (gloo, NCCL, any process group) and process set-up.
+
+This is the only module of the package that touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from spdkfac.comm.base import Communicator
+from spdkfac.comm.local import LocalCommunicator
+
+__all__ = [
+    "TorchDistributedCommunicator",
+    "barrier",
+    "destroy_distributed",
+    "init_distributed",
+    "is_distributed",
+    "make_communicator",
+]
+
+
+def _first(future: Future[Any]) -> Future[Tensor]:
+    """Turn a work future holding ``[tensor]`` into one holding ``tensor``."""
+
+    def unwrap(done: Future[Any]) -> Tensor:
+        value = done.value()
+        result = value[0] if isinstance(value, (list, tuple)) else value
+        assert isinstance(result, Tensor)
+        return result
+
+    return future.then(unwrap)
+
+
+class TorchDistributedCommunicator:
+    """Collectives on a ``torch.distributed`` process group (default: the world).
+
+    Args:
+        process_group: The group; None means the default group.
+
+    Raises:
+        ValueError: When ``torch.distributed`` is not initialized or this rank is not a
+            member of ``process_group``.
+    """
+
+    def __init__(self, process_group: Any = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "process_group needs torch.distributed to be initialized "
+                "(call init_process_group, or launch with torchrun)"
+            )
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                f"process_group: this rank ({dist.get_rank()}) is not a member of the group"
+            )
+        group_rank = dist.get_rank(process_group)
+        if group_rank < 0:
+            raise ValueError(
+                f"process_group: this rank ({dist.get_rank()}) is not a member of the group"
+            )
+        self._group = process_group
+        self._rank = group_rank
+        self._world_size = dist.get_world_size(process_group)
+        backend = str(dist.get_backend(process_group)).lower()
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if "nccl" in backend
+            else torch.device("cpu")
+        )
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def process_group(self) -> Any:
+        """The underlying process group (None: the default one)."""
+        return self._group
+
+    def _all_reduce(self, tensor: Tensor, op: Any) -> Future[Tensor]:
+        work = dist.all_reduce(tensor, op=op, group=self._group, async_op=True)
+        assert work is not None
+        return _first(work.get_future())
+
+    def all_reduce_sum(self, tensor: Tensor) -> Future[Tensor]:
+        return self._all_reduce(tensor, dist.ReduceOp.SUM)
+
+    def all_reduce_average(self, tensor: Tensor) -> Future[Tensor]:
+        # Gloo has no AVG op: sum, then divide in the completion callback.
+        world = self._world_size
+        return self.all_reduce_sum(tensor).then(lambda done: done.value().div_(world))
+
+    def all_reduce_max(self, tensor: Tensor) -> Future[Tensor]:
+        return self._all_reduce(tensor, dist.ReduceOp.MAX)
+
+    def broadcast(self, tensor: Tensor, src: int) -> Future[Tensor]:
+        if not 0 <= src < self._world_size:
+            raise ValueError(f"broadcast src must be in [0, {self._world_size}), got {src}")
+        global_src = src if self._group is None else dist.get_global_rank(self._group, src)
+        work = dist.broadcast(tensor, src=global_src, group=self._group, async_op=True)
+        assert work is not None
+        return _first(work.get_future())
+
+    def all_gather(self, tensor: Tensor) -> Future[list[Tensor]]:
+        outputs = [torch.empty_like(tensor) for _ in range(self._world_size)]
+        work = dist.all_gather(outputs, tensor, group=self._group, async_op=True)
+        assert work is not None
+        gathered: Future[list[Tensor]] = work.get_future().then(lambda _done: outputs)
+        return gathered
+
+    def __repr__(self) -> str:
+        return f"TorchDistributedCommunicator(rank={self._rank}, world_size={self._world_size})"
+
+
+def is_distributed() -> bool:
+    """Whether ``torch.distributed`` is initialized with more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def make_communicator(process_group: Any = None) -> Communicator:
+    """The communicator for ``process_group``: local when not distributed and none is given."""
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return LocalCommunicator()
+    return TorchDistributedCommunicator(process_group)
+
+
+def init_distributed(
+    backend: str | None = None, *, timeout: timedelta | None = None
+) -> Communicator:
+    """Join the process group described by torchrun's environment, or run alone.
+
+    With ``WORLD_SIZE`` > 1 in the environment (torchrun, or MASTER_ADDR/PORT, RANK and
+    WORLD_SIZE set by hand) this initializes ``torch.distributed`` (NCCL when CUDA is
+    available, else gloo, unless ``backend`` says otherwise) and returns its communicator;
+    otherwise it returns a :class:`LocalCommunicator`.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return TorchDistributedCommunicator()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return LocalCommunicator()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timeout)
+    return TorchDistributedCommunicator()
+
+
+def barrier(communicator: Communicator) -> None:
+    """Wait until every rank of ``communicator`` reaches this point."""
+    if communicator.world_size > 1:
+        communicator.all_reduce_sum(torch.zeros(1, device=communicator.device)).wait()
+
+
+def destroy_distributed() -> None:
+    """Leave the default process group, if one was joined."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,80 @@
+"""Finding the layers K-FAC preconditions in a model, and what it leaves alone."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Iterable
+
+from torch import Tensor, nn
+
+from spdkfac.config import SkipEntry
+from spdkfac.curvature import LayerState
+from spdkfac.layers import lookup
+
+__all__ = ["discover_layers", "unwrap_model"]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside a ``DistributedDataParallel`` wrapper (else ``model``)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        inner = model.module
+        assert isinstance(inner, nn.Module)
+        return inner
+    return model
+
+
+def _name_matches(name: str, entry: str) -> bool:
+    return name == entry or name.startswith(entry + ".")
+
+
+def _is_skipped(name: str, module: nn.Module, skip: Iterable[SkipEntry]) -> bool:
+    for entry in skip:
+        if isinstance(entry, str):
+            if _name_matches(name, entry):
+                return True
+        elif isinstance(module, entry):
+            return True
+    return False
+
+
+def discover_layers(model: nn.Module, skip: tuple[SkipEntry, ...]) -> dict[str, LayerState]:
+    """Registered layers in ``named_modules`` order; warns once about unsupported ones.
+
+    A layer is registered when an adapter supports it, its weight requires grad, and it is
+    not skipped. Other modules with trainable parameters of their own are listed in one
+    warning (they keep their plain gradient).
+
+    Raises:
+        ValueError: A name in ``skip`` matches no module, or nothing is left to register.
+    """
+    layers: dict[str, LayerState] = {}
+    unsupported: Counter[str] = Counter()
+    names = [name for name, _ in model.named_modules()]
+    for entry in skip:
+        if isinstance(entry, str) and not any(_name_matches(name, entry) for name in names):
+            raise ValueError(f"skip_layers entry {entry!r} matches no module of the model")
+    for name, module in model.named_modules():
+        if _is_skipped(name, module, skip):
+            continue
+        adapter = lookup(module)
+        if adapter is not None:
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, Tensor) and weight.requires_grad:
+                layers[name] = LayerState(name=name, module=module, adapter=adapter)
+            continue
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            unsupported[type(module).__name__] += 1
+    if not layers:
+        raise ValueError(
+            "model has no layer K-FAC supports (nn.Linear, nn.Conv2d with groups=1) "
+            "outside skip_layers"
+        )
+    if unsupported:
+        listed = ", ".join(f"{kind} ({count})" for kind, count in sorted(unsupported.items()))
+        warnings.warn(
+            f"spdkfac: these layers are not preconditioned and keep their plain gradient: {listed}",
+            UserWarning,
+            stacklevel=4,
+        )
+    return layers

@@ -1,0 +1,210 @@
+"""Pure planners that decide which rank inverts each Kronecker factor.
+
+A factor is either *communicated* (CT: inverted on one owner rank and broadcast) or
+*non-communicated* (NCT: inverted redundantly on every rank). Planners are pure functions
+of replicated inputs (factor dimensions in registration order, world size, cost model), so
+every rank computes the same :class:`Plan` without communicating.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final, Literal
+
+from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel
+
+__all__ = [
+    "EVERY_RANK",
+    "PLACEMENTS",
+    "FactorSpec",
+    "Plan",
+    "plan_balanced",
+    "plan_inversions",
+    "plan_replicated",
+    "plan_round_robin",
+]
+
+#: Owner value of a non-communicated factor: every rank inverts it.
+EVERY_RANK: Final = -1
+PLACEMENTS: tuple[str, ...] = ("replicated", "round-robin", "balanced")
+FactorKind = Literal["A", "G"]
+
+
+@dataclass(frozen=True)
+class FactorSpec:
+    """One Kronecker factor to invert: its layer, which factor, and its side."""
+
+    layer: str
+    kind: FactorKind
+    dim: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("A", "G"):
+            raise ValueError(f"kind must be 'A' or 'G', got {self.kind!r}")
+        if self.dim < 1:
+            raise ValueError(f"dim of {self.key} must be >= 1, got {self.dim}")
+
+    @property
+    def key(self) -> str:
+        """``"<layer>/<kind>"``, unique within a model."""
+        return f"{self.layer}/{self.kind}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every factor is inverted. Build with a planner; validated on construction.
+
+    Attributes:
+        placement: Name of the planner that made it.
+        world_size: Ranks the plan is for.
+        factors: The factors, in the order given to the planner.
+        owners: Owner rank per factor, aligned with ``factors`` (``EVERY_RANK`` for NCT).
+        predicted_seconds: Predicted inversion time per factor, aligned with ``factors``.
+    """
+
+    placement: str
+    world_size: int
+    factors: tuple[FactorSpec, ...]
+    owners: tuple[int, ...]
+    predicted_seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not (len(self.factors) == len(self.owners) == len(self.predicted_seconds)):
+            raise ValueError("factors, owners and predicted_seconds must align")
+        keys = [spec.key for spec in self.factors]
+        if len(set(keys)) != len(keys):
+            raise ValueError("every factor must appear exactly once in a plan")
+        for spec, owner in zip(self.factors, self.owners, strict=True):
+            if owner != EVERY_RANK and not 0 <= owner < self.world_size:
+                raise ValueError(
+                    f"owner of {spec.key} must be in [0, {self.world_size}) or "
+                    f"EVERY_RANK, got {owner}"
+                )
+
+    @property
+    def owner_by_key(self) -> Mapping[str, int]:
+        """Factor key → owner rank (``EVERY_RANK`` for NCT)."""
+        return MappingProxyType(
+            {spec.key: owner for spec, owner in zip(self.factors, self.owners, strict=True)}
+        )
+
+    def owner(self, layer: str, kind: FactorKind) -> int:
+        """The rank that inverts ``layer``'s ``kind`` factor, or ``EVERY_RANK``."""
+        return self.owner_by_key[f"{layer}/{kind}"]
+
+    def is_communicated(self, layer: str, kind: FactorKind) -> bool:
+        """Whether the factor's inverse is computed on one rank and broadcast."""
+        return self.owner(layer, kind) != EVERY_RANK
+
+    def loads(self) -> tuple[float, ...]:
+        """Predicted seconds of communicated inversions per rank."""
+        loads = [0.0] * self.world_size
+        for owner, seconds in zip(self.owners, self.predicted_seconds, strict=True):
+            if owner != EVERY_RANK:
+                loads[owner] += seconds
+        return tuple(loads)
+
+    def replicated_seconds(self) -> float:
+        """Predicted seconds every rank spends on non-communicated inversions."""
+        return sum(
+            seconds
+            for owner, seconds in zip(self.owners, self.predicted_seconds, strict=True)
+            if owner == EVERY_RANK
+        )
+
+    def describe(self) -> str:
+        """A short human-readable summary."""
+        communicated = sum(owner != EVERY_RANK for owner in self.owners)
+        loads = ", ".join(f"{1000 * load:.2f}" for load in self.loads())
+        return (
+            f"{self.placement}: {communicated}/{len(self.factors)} factors communicated, "
+            f"per-rank CT load [{loads}] ms, NCT {1000 * self.replicated_seconds():.2f} ms"
+        )
+
+
+def _predicted(factors: Sequence[FactorSpec], cost_model: CostModel) -> tuple[float, ...]:
+    return tuple(cost_model.inverse_seconds(spec.dim) for spec in factors)
+
+
+def plan_replicated(
+    factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel = DEFAULT_COST_MODEL
+) -> Plan:
+    """D-KFAC: every rank inverts every factor; no inverse is communicated."""
+    return Plan(
+        placement="replicated",
+        world_size=world_size,
+        factors=tuple(factors),
+        owners=(EVERY_RANK,) * len(factors),
+        predicted_seconds=_predicted(factors, cost_model),
+    )
+
+
+def plan_round_robin(
+    factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel = DEFAULT_COST_MODEL
+) -> Plan:
+    """MPD-KFAC: the i-th factor (in the given order) is inverted by rank i mod P; all CT."""
+    return Plan(
+        placement="round-robin",
+        world_size=world_size,
+        factors=tuple(factors),
+        owners=tuple(index % world_size for index in range(len(factors))),
+        predicted_seconds=_predicted(factors, cost_model),
+    )
+
+
+def plan_balanced(
+    factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel = DEFAULT_COST_MODEL
+) -> Plan:
+    """SPD-KFAC: NCT when inverting is no slower than receiving, else LPT on predicted time.
+
+    A factor is NCT when its predicted inversion time is not more than its predicted
+    broadcast time. The rest are taken largest predicted time first (ties broken by key,
+    so the plan does not depend on the order factors are listed in) and each goes to the
+    least-loaded rank (ties: lowest rank). Loads are predicted seconds, not dimensions.
+    """
+    predicted = _predicted(factors, cost_model)
+    owners = [EVERY_RANK] * len(factors)
+    communicated = [
+        index
+        for index, spec in enumerate(factors)
+        if world_size > 1 and predicted[index] > cost_model.broadcast_seconds(spec.dim)
+    ]
+    communicated.sort(key=lambda index: (-predicted[index], factors[index].key))
+    heap = [(0.0, rank) for rank in range(world_size)]
+    for index in communicated:
+        load, rank = heapq.heappop(heap)
+        owners[index] = rank
+        heapq.heappush(heap, (load + predicted[index], rank))
+    return Plan(
+        placement="balanced",
+        world_size=world_size,
+        factors=tuple(factors),
+        owners=tuple(owners),
+        predicted_seconds=predicted,
+    )
+
+
+_PLANNERS = {
+    "replicated": plan_replicated,
+    "round-robin": plan_round_robin,
+    "balanced": plan_balanced,
+}
+
+
+def plan_inversions(
+    factors: Sequence[FactorSpec],
+    world_size: int,
+    placement: str,
+    cost_model: CostModel = DEFAULT_COST_MODEL,
+) -> Plan:
+    """Dispatch to the planner named ``placement`` (one of :data:`PLACEMENTS`)."""
+    if placement not in _PLANNERS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    return _PLANNERS[placement](factors, world_size, cost_model)
