@@ -34,10 +34,14 @@ class StrategyPreset:
     Attributes:
         factor_exchange: When factors are all-reduced (``"after-backward"``: in ``step()``).
         placement: Inverse placement planner (see :mod:`spdkfac.placement`).
+        fuse_broadcasts: Pack an owner's consecutive inverses into one broadcast until its
+            bandwidth time outweighs the start-up time (cost model), instead of one
+            broadcast per factor as in the SPD-KFAC paper.
     """
 
     factor_exchange: str
     placement: str
+    fuse_broadcasts: bool = False
 
 
 #: The named algorithms: D-KFAC (replicated inverses), MPD-KFAC (round-robin, every
@@ -45,7 +49,9 @@ class StrategyPreset:
 STRATEGIES: dict[str, StrategyPreset] = {
     "d-kfac": StrategyPreset(factor_exchange="after-backward", placement="replicated"),
     "mpd-kfac": StrategyPreset(factor_exchange="after-backward", placement="round-robin"),
-    "spd-kfac": StrategyPreset(factor_exchange="after-backward", placement="balanced"),
+    "spd-kfac": StrategyPreset(
+        factor_exchange="after-backward", placement="balanced", fuse_broadcasts=True
+    ),
 }
 
 

@@ -76,6 +76,30 @@ class CostModel:
     allreduce: AlphaBetaModel
     bytes_per_element: int = field(default=4)
 
+    def as_vector(self) -> tuple[float, ...]:
+        """All parameters as a flat tuple (see :meth:`from_vector`)."""
+        return (
+            self.inverse.c0,
+            self.inverse.c2,
+            self.inverse.c3,
+            self.broadcast.alpha,
+            self.broadcast.beta,
+            self.allreduce.alpha,
+            self.allreduce.beta,
+            float(self.bytes_per_element),
+        )
+
+    @classmethod
+    def from_vector(cls, values: tuple[float, ...] | list[float]) -> CostModel:
+        """Rebuild a model from :meth:`as_vector`'s output."""
+        c0, c2, c3, b_alpha, b_beta, a_alpha, a_beta, bpe = values
+        return cls(
+            inverse=PolynomialInverseModel(c0=c0, c2=c2, c3=c3),
+            broadcast=AlphaBetaModel(alpha=b_alpha, beta=b_beta),
+            allreduce=AlphaBetaModel(alpha=a_alpha, beta=a_beta),
+            bytes_per_element=round(bpe),
+        )
+
     def inverse_seconds(self, dim: int) -> float:
         """Predicted time to invert one ``dim`` x ``dim`` factor."""
         return self.inverse.predict(dim)
@@ -84,6 +108,14 @@ class CostModel:
         """Predicted time to broadcast one inverse as a packed upper triangle."""
         packed = dim * (dim + 1) // 2
         return self.broadcast.predict(packed * self.bytes_per_element)
+
+    def broadcast_group_elements(self, bandwidth_to_startup: float = 4.0) -> int:
+        """Smallest message (in elements) whose transfer time is ``bandwidth_to_startup``
+        times the broadcast start-up time; smaller messages are worth fusing."""
+        beta = self.broadcast.beta * self.bytes_per_element
+        if beta <= 0:
+            return 2**62
+        return max(1, math.ceil(bandwidth_to_startup * self.broadcast.alpha / beta))
 
     def allreduce_seconds(self, elements: int) -> float:
         """Predicted time to all-reduce ``elements`` factor elements."""

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from spdkfac.capture import ActivationCapture
 from spdkfac.comm import Communicator, make_communicator
 from spdkfac.comm.exchange import FactorExchange
-from spdkfac.config import FloatSchedule, IntSchedule, KFACConfig, SkipEntry
+from spdkfac.config import STRATEGIES, FloatSchedule, IntSchedule, KFACConfig, SkipEntry
 from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel
 from spdkfac.curvature import (
     LayerState,
@@ -65,7 +65,7 @@ class KFACPreconditioner:
         process_group: The ``torch.distributed`` group (default: the world when
             initialized, else a group of one).
         cost_model: Costs the ``balanced`` placement decides from (default: constants
-            measured on the project's reference machine).
+            measured on the project's reference machine). Rank 0's is used on every rank.
 
     Raises:
         ValueError: On an invalid option (naming it and its value), a model without any
@@ -128,12 +128,12 @@ class KFACPreconditioner:
             for name, state in layers.items()
             for kind in ("A", "G")
         ]
+        costs = self._shared_cost_model(cost_model or DEFAULT_COST_MODEL)
         self._plan = plan_inversions(
-            specs,
-            self._communicator.world_size,
-            self.config.inverse_placement,
-            cost_model or DEFAULT_COST_MODEL,
+            specs, self._communicator.world_size, self.config.inverse_placement, costs
         )
+        fuse = STRATEGIES[self.config.strategy].fuse_broadcasts
+        self._broadcast_group_elements = costs.broadcast_group_elements() if fuse else 0
         wide = any(state.factor_dtype == torch.float64 for state in layers.values())
         self._exchange = FactorExchange(
             self._communicator,
@@ -179,6 +179,15 @@ class KFACPreconditioner:
                 f"differ from rank 0 (rank {self._communicator.rank}: {len(layers or {})} "
                 f"layers, {self.config.fingerprint()})"
             )
+
+    def _shared_cost_model(self, cost_model: CostModel) -> CostModel:
+        """Rank 0's cost model on every rank, so plans and broadcast groups agree even when
+        each rank measured its own."""
+        if self._communicator.world_size == 1:
+            return cost_model
+        vector = torch.tensor(cost_model.as_vector(), dtype=torch.float64)
+        shared = self._communicator.broadcast(vector.to(self._communicator.device), src=0)
+        return CostModel.from_vector(shared.wait().cpu().tolist())
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -334,7 +343,14 @@ class KFACPreconditioner:
                 factors[f"{name}/A"] = state.a_factor
                 factors[f"{name}/G"] = state.g_factor
         method: InverseMethod = "eigen" if self.config.inverse_method == "eigen" else "cholesky"
-        inverses = invert_factors(factors, self._plan, self._communicator, damping, method)
+        inverses = invert_factors(
+            factors,
+            self._plan,
+            self._communicator,
+            damping,
+            method,
+            min_group_elements=self._broadcast_group_elements,
+        )
         for name, state in self._layers.items():
             if f"{name}/A" in inverses:
                 state.a_inverse = inverses[f"{name}/A"]

@@ -185,6 +185,24 @@ def test_ranks_that_disagree_fail_on_every_rank(case: str) -> None:
         assert all("ranks disagree" in r for r in results)
 
 
+def _cost_model_worker(rank: int, world_size: int) -> tuple[int, ...]:
+    from spdkfac.costmodel import DEFAULT_COST_MODEL, AlphaBetaModel, CostModel
+
+    # Each rank "measured" a different link: rank 0's model must decide on every rank.
+    beta = 1e-12 if rank == 0 else 1e-3
+    costs = CostModel(
+        DEFAULT_COST_MODEL.inverse, AlphaBetaModel(0.0, beta), AlphaBetaModel(0.0, beta)
+    )
+    model = nn.Sequential(nn.Linear(30, 40), nn.Linear(40, 20))
+    return KFACPreconditioner(model, cost_model=costs).plan.owners
+
+
+def test_plans_agree_when_cost_models_differ() -> None:
+    owners = run_distributed(_cost_model_worker, 2)
+    assert owners[0] == owners[1]
+    assert -1 not in owners[0]  # rank 0's nearly free broadcasts: everything communicated
+
+
 def _non_member_worker(rank: int, world_size: int) -> str:
     group = dist.new_group(ranks=[0, 1])
     if rank == 2:
