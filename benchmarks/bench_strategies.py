@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netns_cluster import available, emulated_cluster  # noqa: E402
+from netns_cluster import available, emulated_cluster
 
 STRATEGIES = ("d-kfac", "mpd-kfac", "spd-kfac")
 
@@ -187,7 +187,8 @@ def _report(link: str, data: dict[str, Any], warmup: int) -> list[str]:
         f"β = {1e9 * data['broadcast_beta']:.3f} ns/byte "
         f"({1e-9 / max(data['broadcast_beta'], 1e-15):.3f} GB/s)",
         "",
-        "| variant | median ms/iter | IQR ms | ratio to SGD | ratio to D-KFAC | inverse phase ms (median, n) |",
+        "| variant | median ms/iter | IQR ms | ratio to SGD | ratio to D-KFAC "
+        "| inverse phase ms (median, n) |",
         "|---|---|---|---|---|---|",
     ]  # fmt: skip
     medians = {}

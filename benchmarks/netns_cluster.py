@@ -35,7 +35,9 @@ class Cluster:
 
 def available() -> bool:
     """Whether this process may create namespaces (root and iproute2 present)."""
-    return os.geteuid() == 0 and subprocess.run(["which", "ip"], capture_output=True).returncode == 0
+    return (
+        os.geteuid() == 0 and subprocess.run(["which", "ip"], capture_output=True).returncode == 0
+    )
 
 
 @contextmanager

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from spdkfac.layers import FactorOptions
 from spdkfac.linalg import INVERSE_METHODS
 from spdkfac.placement import PLACEMENTS
 
@@ -113,6 +114,8 @@ class KFACConfig:
         strategy: ``"spd-kfac"``, ``"mpd-kfac"`` or ``"d-kfac"`` (see :data:`STRATEGIES`).
         placement: Overrides the strategy's inverse placement (``"replicated"``,
             ``"round-robin"`` or ``"balanced"``); None keeps the preset's.
+        factor_options: How factors are computed (method, compute dtype); see
+            :class:`~spdkfac.layers.FactorOptions`.
     """
 
     damping: FloatSchedule = 0.003
@@ -125,6 +128,7 @@ class KFACConfig:
     skip_layers: tuple[SkipEntry, ...] = field(default=())
     strategy: str = "spd-kfac"
     placement: str | None = None
+    factor_options: FactorOptions = field(default_factory=FactorOptions)
 
     def __post_init__(self) -> None:
         if not callable(self.damping):
@@ -163,6 +167,8 @@ class KFACConfig:
         object.__setattr__(self, "skip_layers", entries)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
+        if not isinstance(self.factor_options, FactorOptions):
+            raise ValueError(f"factor_options must be a FactorOptions, got {self.factor_options!r}")
         if self.placement is not None and self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 

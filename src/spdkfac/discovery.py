@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from spdkfac.config import SkipEntry
 from spdkfac.curvature import LayerState
-from spdkfac.layers import lookup
+from spdkfac.layers import FactorOptions, lookup
 
 __all__ = ["discover_layers", "unwrap_model"]
 
@@ -38,12 +38,17 @@ def _is_skipped(name: str, module: nn.Module, skip: Iterable[SkipEntry]) -> bool
     return False
 
 
-def discover_layers(model: nn.Module, skip: tuple[SkipEntry, ...]) -> dict[str, LayerState]:
+def discover_layers(
+    model: nn.Module,
+    skip: tuple[SkipEntry, ...],
+    options: FactorOptions | None = None,
+) -> dict[str, LayerState]:
     """Registered layers in ``named_modules`` order; warns once about unsupported ones.
 
     A layer is registered when an adapter supports it, its weight requires grad, and it is
-    not skipped. Other modules with trainable parameters of their own are listed in one
-    warning (they keep their plain gradient).
+    not skipped; its adapter computes factors as ``options`` say. Other modules with
+    trainable parameters of their own are listed in one warning (they keep their plain
+    gradient).
 
     Raises:
         ValueError: A name in ``skip`` matches no module, or nothing is left to register.
@@ -61,6 +66,8 @@ def discover_layers(model: nn.Module, skip: tuple[SkipEntry, ...]) -> dict[str, 
         if adapter is not None:
             weight = getattr(module, "weight", None)
             if isinstance(weight, Tensor) and weight.requires_grad:
+                if options is not None:
+                    adapter = adapter.with_options(options)
                 layers[name] = LayerState(name=name, module=module, adapter=adapter)
             continue
         if any(p.requires_grad for p in module.parameters(recurse=False)):

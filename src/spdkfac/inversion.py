@@ -19,6 +19,7 @@ from spdkfac.linalg import (
     unpack_triu,
 )
 from spdkfac.placement import EVERY_RANK, Plan
+from spdkfac.profiling import Profiler, span_name
 
 __all__ = ["BroadcastGroup", "broadcast_groups", "invert_factors"]
 
@@ -80,6 +81,7 @@ def invert_factors(
     method: InverseMethod = "cholesky",
     *,
     min_group_elements: int = 0,
+    profiler: Profiler | None = None,
 ) -> dict[str, Tensor]:
     """Compute ``(F + γI)⁻¹`` for every factor, placed as ``plan`` says.
 
@@ -93,26 +95,33 @@ def invert_factors(
         Factor key → damped inverse, the same on every rank.
     """
     rank = communicator.rank
+    profiler = profiler or Profiler()
+
+    def invert(key: str) -> Tensor:
+        with profiler.span(span_name("inverse_compute", key)):
+            return damped_inverse(factors[key], damping, method)
+
     if communicator.world_size == 1:
-        return {key: damped_inverse(f, damping, method) for key, f in factors.items()}
+        return {key: invert(key) for key in factors}
     inverses: dict[str, Tensor] = {}
     pending: list[tuple[BroadcastGroup, Future[Tensor]]] = []
     for group in broadcast_groups(plan, factors, min_group_elements):
         dtype = inverse_dtype(factors[group.keys[0]].dtype)
         if group.owner == rank:
-            parts = []
             for key in group.keys:
-                inverses[key] = damped_inverse(factors[key], damping, method)
-                parts.append(pack_triu(inverses[key]))
-            buffer = torch.cat(parts).to(device=communicator.device, dtype=dtype)
+                inverses[key] = invert(key)
+            with profiler.span(span_name("inverse_compute", "pack")):
+                parts = [pack_triu(inverses[key]) for key in group.keys]
+                buffer = torch.cat(parts).to(device=communicator.device, dtype=dtype)
         else:
             buffer = torch.empty(group.elements, dtype=dtype, device=communicator.device)
         pending.append((group, communicator.broadcast(buffer, src=group.owner)))
     for spec, owner in zip(plan.factors, plan.owners, strict=True):
         if owner == EVERY_RANK and spec.key in factors:
-            inverses[spec.key] = damped_inverse(factors[spec.key], damping, method)
+            inverses[spec.key] = invert(spec.key)
     for group, future in pending:
-        received = future.wait()
+        with profiler.span(span_name("inverse_comm", "wait")):
+            received = future.wait()
         if group.owner == rank:
             continue
         offset = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -14,7 +15,7 @@ from spdkfac.capture import ActivationCapture
 from spdkfac.comm import Communicator, make_communicator
 from spdkfac.comm.exchange import FactorExchange
 from spdkfac.config import STRATEGIES, FloatSchedule, IntSchedule, KFACConfig, SkipEntry
-from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel
+from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel, resolve_cost_model
 from spdkfac.curvature import (
     LayerState,
     layer_states_to_dict,
@@ -23,13 +24,20 @@ from spdkfac.curvature import (
 )
 from spdkfac.discovery import discover_layers, unwrap_model
 from spdkfac.inversion import invert_factors
-from spdkfac.layers import precondition
+from spdkfac.layers import FactorOptions, precondition
 from spdkfac.linalg import InverseMethod
 from spdkfac.placement import FactorSpec, Plan, plan_inversions
+from spdkfac.profiling import Profiler, span_name
 
 __all__ = ["KFACPreconditioner"]
 
 _STATE_FORMAT = 1
+
+
+def _no_autocast(tensor: Tensor) -> torch.autocast:
+    """Factors are statistics kept in at least float32: a user's autocast region around the
+    forward must not silently lower their precision (use ``factor_options`` for that)."""
+    return torch.autocast(device_type=tensor.device.type, enabled=False)
 
 
 def _all_finite(tensors: Iterable[Tensor]) -> bool:
@@ -64,8 +72,12 @@ class KFACPreconditioner:
         placement: Override of the strategy's inverse placement.
         process_group: The ``torch.distributed`` group (default: the world when
             initialized, else a group of one).
-        cost_model: Costs the ``balanced`` placement decides from (default: constants
+        cost_model: Costs the ``balanced`` placement decides from: a ``CostModel``, or
+            the path of a JSON written by ``spdkfac calibrate`` (default: constants
             measured on the project's reference machine). Rank 0's is used on every rank.
+        factor_options: How factors are computed (method, compute dtype); default: the
+            fastest exact method per layer in float32.
+        profile: Record ``kfac/<phase>/<layer>`` spans in :attr:`profiler` (off: no cost).
 
     Raises:
         ValueError: On an invalid option (naming it and its value), a model without any
@@ -88,14 +100,19 @@ class KFACPreconditioner:
         strategy: str = "spd-kfac",
         placement: str | None = None,
         process_group: Any = None,
-        cost_model: CostModel | None = None,
+        cost_model: CostModel | str | os.PathLike[str] | None = None,
+        factor_options: FactorOptions | None = None,
+        profile: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if isinstance(skip_layers, (str, type)):
             raise ValueError(f"skip_layers must be a sequence, got {skip_layers!r}")
-        if cost_model is not None and not isinstance(cost_model, CostModel):
-            raise ValueError(f"cost_model must be a CostModel, got {cost_model!r}")
+        if cost_model is not None and not isinstance(cost_model, (CostModel, str, os.PathLike)):
+            raise TypeError(
+                f"cost_model must be a CostModel, a path to a calibration JSON or None, "
+                f"got {cost_model!r}"
+            )
         self.config = KFACConfig(
             damping=damping,
             factor_decay=factor_decay,
@@ -107,12 +124,19 @@ class KFACPreconditioner:
             skip_layers=tuple(skip_layers),
             strategy=strategy,
             placement=placement,
+            factor_options=factor_options or FactorOptions(),
         )
         self._communicator: Communicator = make_communicator(process_group)
         self._model = unwrap_model(model)
+        first = next(self._model.parameters(), None)
+        self.profiler = Profiler(
+            enabled=profile,
+            rank=self._communicator.rank,
+            device=None if first is None else first.device,
+        )
         try:
             layers: dict[str, LayerState] | None = discover_layers(
-                self._model, self.config.skip_layers
+                self._model, self.config.skip_layers, self.config.factor_options
             )
             local_error: ValueError | None = None
         except ValueError as error:
@@ -128,7 +152,7 @@ class KFACPreconditioner:
             for name, state in layers.items()
             for kind in ("A", "G")
         ]
-        costs = self._shared_cost_model(cost_model or DEFAULT_COST_MODEL)
+        costs = self._shared_cost_model(cost_model)
         self._plan = plan_inversions(
             specs, self._communicator.world_size, self.config.inverse_placement, costs
         )
@@ -180,14 +204,29 @@ class KFACPreconditioner:
                 f"layers, {self.config.fingerprint()})"
             )
 
-    def _shared_cost_model(self, cost_model: CostModel) -> CostModel:
+    def _shared_cost_model(
+        self, cost_model: CostModel | str | os.PathLike[str] | None
+    ) -> CostModel:
         """Rank 0's cost model on every rank, so plans and broadcast groups agree even when
-        each rank measured its own."""
-        if self._communicator.world_size == 1:
-            return cost_model
-        vector = torch.tensor(cost_model.as_vector(), dtype=torch.float64)
-        shared = self._communicator.broadcast(vector.to(self._communicator.device), src=0)
-        return CostModel.from_vector(shared.wait().cpu().tolist())
+        each rank measured its own. Only rank 0 loads a file; a failure there is raised on
+        every rank instead of leaving the others waiting in the broadcast."""
+        comm = self._communicator
+        error: Exception | None = None
+        local = DEFAULT_COST_MODEL
+        if comm.rank == 0:
+            try:
+                local = resolve_cost_model(cost_model, comm.world_size)
+            except (OSError, ValueError) as exc:
+                error = exc
+        if comm.world_size == 1:
+            if error is not None:
+                raise error
+            return local
+        vector = torch.tensor([float(error is not None), *local.as_vector()], dtype=torch.float64)
+        shared = comm.broadcast(vector.to(comm.device), src=0).wait().cpu().tolist()
+        if shared[0]:
+            raise error or ValueError(f"cost_model: rank 0 could not load {cost_model!r}")
+        return CostModel.from_vector(shared[1:])
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -234,13 +273,21 @@ class KFACPreconditioner:
         state = self._layers[name]
         if name not in self._forward_order:
             self._forward_order.append(name)
-        factor, weight = state.adapter.a_factor(module, inputs.to(state.factor_dtype))
-        state.a_pending.add(factor, weight)
+        with (
+            self.profiler.span(span_name("factor_compute", f"{name}/A")),
+            _no_autocast(inputs),
+        ):
+            factor, weight = state.adapter.a_factor(module, inputs.to(state.factor_dtype))
+            state.a_pending.add(factor, weight)
 
     def _capture_grad_output(self, name: str, module: nn.Module, grad: Tensor) -> None:
         state = self._layers[name]
-        factor, weight = state.adapter.g_factor(module, grad.to(state.factor_dtype))
-        state.g_pending.add(factor, weight)
+        with (
+            self.profiler.span(span_name("factor_compute", f"{name}/G")),
+            _no_autocast(grad),
+        ):
+            factor, weight = state.adapter.g_factor(module, grad.to(state.factor_dtype))
+            state.g_pending.add(factor, weight)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -257,6 +304,10 @@ class KFACPreconditioner:
             ``optimizer.step()``. On factor-update steps the decision is agreed by all
             ranks; otherwise it is local (identical when gradients are all-reduced).
         """
+        with self.profiler.span(span_name("step")):
+            return self._step_phases()
+
+    def _step_phases(self) -> bool:
         step = self._step
         self._step += 1
         gradients = {
@@ -271,18 +322,23 @@ class KFACPreconditioner:
             self._update_inverses(self.config.damping_at(step))
         if not usable:
             return self._skip()
-        preconditioned = {
-            name: precondition(grad, state.a_inverse, state.g_inverse)
-            if (state := self._layers[name]).a_inverse is not None and state.g_inverse is not None
-            else grad
-            for name, grad in gradients.items()
-        }
-        scale = self._kl_clip_scale(gradients, preconditioned, step)
-        if scale is None:
-            return self._skip()
-        for name, matrix in preconditioned.items():
+        preconditioned = {}
+        for name, grad in gradients.items():
             state = self._layers[name]
-            state.adapter.set_gradient(state.module, matrix.mul_(scale) if scale != 1.0 else matrix)
+            with self.profiler.span(span_name("precondition", name)):
+                if state.a_inverse is not None and state.g_inverse is not None:
+                    preconditioned[name] = precondition(grad, state.a_inverse, state.g_inverse)
+                else:
+                    preconditioned[name] = grad
+        with self.profiler.span(span_name("precondition", "kl_clip")):
+            scale = self._kl_clip_scale(gradients, preconditioned, step)
+            if scale is None:
+                return self._skip()
+            for name, matrix in preconditioned.items():
+                state = self._layers[name]
+                state.adapter.set_gradient(
+                    state.module, matrix.mul_(scale) if scale != 1.0 else matrix
+                )
         return True
 
     def _skip(self) -> bool:
@@ -307,13 +363,14 @@ class KFACPreconditioner:
         if new is None:
             return False
         decay = self.config.factor_decay
-        for name, state in self._layers.items():
-            a_new, g_new = new.get(f"{name}/A"), new.get(f"{name}/G")
-            # A layer seen in forward but not in backward (or vice versa) keeps both
-            # factors as they were, so A and G always describe the same examples.
-            if a_new is not None and g_new is not None:
-                state.a_factor = running_average(state.a_factor, a_new, decay)
-                state.g_factor = running_average(state.g_factor, g_new, decay)
+        with self.profiler.span(span_name("factor_compute", "running_average")):
+            for name, state in self._layers.items():
+                a_new, g_new = new.get(f"{name}/A"), new.get(f"{name}/G")
+                # A layer seen in forward but not in backward (or vice versa) keeps both
+                # factors as they were, so A and G always describe the same examples.
+                if a_new is not None and g_new is not None:
+                    state.a_factor = running_average(state.a_factor, a_new, decay)
+                    state.g_factor = running_average(state.g_factor, g_new, decay)
         return True
 
     def _global_contributions(self, local_ok: bool) -> dict[str, Tensor | None] | None:
@@ -333,7 +390,9 @@ class KFACPreconditioner:
                     mean = pending.mean()
                     if mean is not None:
                         contributions[f"{name}/{kind}"] = (mean, float(pending.weight))
-        result = self._exchange.start(contributions, flagged=not local_ok).wait()
+        in_flight = self._exchange.start(contributions, flagged=not local_ok)
+        with self.profiler.span(span_name("factor_comm", "wait")):
+            result = in_flight.wait()
         return None if result.flagged_ranks else result.factors
 
     def _update_inverses(self, damping: float) -> None:
@@ -350,6 +409,7 @@ class KFACPreconditioner:
             damping,
             method,
             min_group_elements=self._broadcast_group_elements,
+            profiler=self.profiler,
         )
         for name, state in self._layers.items():
             if f"{name}/A" in inverses:

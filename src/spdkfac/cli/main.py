@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from spdkfac.cli import demo
+from spdkfac.cli import calibrate, demo
 
 __all__ = ["build_parser", "main"]
 
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     demo.add_parser(verbs)
+    calibrate.add_parser(verbs)
     return parser
 
 

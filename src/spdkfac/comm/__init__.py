@@ -11,6 +11,7 @@ from spdkfac.comm.distributed import (
     is_distributed,
     make_communicator,
 )
+from spdkfac.comm.gather import gather_events
 from spdkfac.comm.local import LocalCommunicator
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "barrier",
     "completed",
     "destroy_distributed",
+    "gather_events",
     "init_distributed",
     "is_distributed",
     "make_communicator",

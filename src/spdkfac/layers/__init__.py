@@ -7,11 +7,15 @@ from torch import nn
 from spdkfac.layers.base import KFACLayer, gradient_matrix, precondition, write_gradient_matrix
 from spdkfac.layers.conv2d import Conv2dLayer
 from spdkfac.layers.linear import LinearLayer
+from spdkfac.layers.options import FactorMethod, FactorOptions, SelectionPolicy
 
 __all__ = [
     "Conv2dLayer",
+    "FactorMethod",
+    "FactorOptions",
     "KFACLayer",
     "LinearLayer",
+    "SelectionPolicy",
     "gradient_matrix",
     "lookup",
     "precondition",

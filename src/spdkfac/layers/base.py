@@ -7,6 +7,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor, nn
 
+from spdkfac.layers.options import FactorOptions
+
 __all__ = ["KFACLayer", "gradient_matrix", "precondition", "write_gradient_matrix"]
 
 
@@ -65,6 +67,10 @@ class KFACLayer(ABC):
     @abstractmethod
     def g_factor(self, module: nn.Module, grad_output: Tensor) -> tuple[Tensor, int]:
         """The G factor of one backward call and its weight B (examples) for averaging calls."""
+
+    def with_options(self, options: FactorOptions) -> KFACLayer:
+        """This adapter computing its factors as ``options`` say (self when it has none)."""
+        return self
 
     def has_bias(self, module: nn.Module) -> bool:
         """Whether the module has a bias parameter."""

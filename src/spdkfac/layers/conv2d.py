@@ -7,6 +7,9 @@ from torch import Tensor, nn
 
 from spdkfac.layers.base import KFACLayer
 from spdkfac.layers.factors import covariance
+from spdkfac.layers.gram import conv2d_g_factor_gram
+from spdkfac.layers.methods import conv2d_a_factor_fast
+from spdkfac.layers.options import FactorOptions
 
 __all__ = ["Conv2dLayer", "conv2d_a_factor", "conv2d_g_factor", "conv2d_patches"]
 
@@ -59,9 +62,21 @@ def _as_pair(value: int | tuple[int, ...]) -> Pair:
 
 
 class Conv2dLayer(KFACLayer):
-    """Adapter for ``nn.Conv2d`` with ``groups == 1``, any stride, padding and dilation."""
+    """Adapter for ``nn.Conv2d`` with ``groups == 1``, any stride, padding and dilation.
+
+    Args:
+        options: How factors are computed (method, compute dtype); the default picks the
+            fastest exact method per layer. ``FactorOptions(method="reference")`` runs
+            :func:`conv2d_a_factor` and :func:`conv2d_g_factor`.
+    """
 
     module_types = (nn.Conv2d,)
+
+    def __init__(self, *, options: FactorOptions | None = None) -> None:
+        self.options = FactorOptions() if options is None else options
+
+    def with_options(self, options: FactorOptions) -> Conv2dLayer:
+        return Conv2dLayer(options=options)
 
     def supports(self, module: nn.Module) -> bool:
         return isinstance(module, nn.Conv2d) and module.groups == 1
@@ -78,18 +93,24 @@ class Conv2dLayer(KFACLayer):
     def a_factor(self, module: nn.Module, inputs: Tensor) -> tuple[Tensor, int]:
         assert isinstance(module, nn.Conv2d)
         inputs, padding = _explicit_padding(module, inputs)
-        factor = conv2d_a_factor(
-            inputs,
+        geometry = (
             _as_pair(module.kernel_size),
             _as_pair(module.stride),
             padding,
             _as_pair(module.dilation),
-            bias=self.has_bias(module),
         )
+        bias = self.has_bias(module)
+        if self.options.method == "reference":
+            factor = conv2d_a_factor(inputs, *geometry, bias=bias)
+        else:
+            factor = conv2d_a_factor_fast(inputs, *geometry, bias=bias, options=self.options)
         return factor, inputs.shape[0]
 
     def g_factor(self, module: nn.Module, grad_output: Tensor) -> tuple[Tensor, int]:
-        return conv2d_g_factor(grad_output), grad_output.shape[0]
+        if self.options.method == "reference":
+            return conv2d_g_factor(grad_output), grad_output.shape[0]
+        factor = conv2d_g_factor_gram(grad_output, compute_dtype=self.options.compute_dtype)
+        return factor, grad_output.shape[0]
 
 
 def _explicit_padding(module: nn.Conv2d, inputs: Tensor) -> tuple[Tensor, Pair]:

@@ -6,6 +6,8 @@ from torch import Tensor, nn
 
 from spdkfac.layers.base import KFACLayer
 from spdkfac.layers.factors import covariance
+from spdkfac.layers.gram import linear_a_factor_gram, linear_g_factor_gram
+from spdkfac.layers.options import FactorOptions
 
 __all__ = ["LinearLayer", "linear_a_factor", "linear_g_factor"]
 
@@ -32,9 +34,21 @@ def linear_g_factor(grad_output: Tensor) -> Tensor:
 
 
 class LinearLayer(KFACLayer):
-    """Adapter for ``nn.Linear``."""
+    """Adapter for ``nn.Linear``.
+
+    Args:
+        options: How factors are computed; the default is one triangular Gram product
+            (``compute_dtype`` applies), ``FactorOptions(method="reference")`` runs
+            :func:`linear_a_factor` and :func:`linear_g_factor`.
+    """
 
     module_types = (nn.Linear,)
+
+    def __init__(self, *, options: FactorOptions | None = None) -> None:
+        self.options = FactorOptions() if options is None else options
+
+    def with_options(self, options: FactorOptions) -> LinearLayer:
+        return LinearLayer(options=options)
 
     def a_dim(self, module: nn.Module) -> int:
         assert isinstance(module, nn.Linear)
@@ -46,8 +60,15 @@ class LinearLayer(KFACLayer):
 
     def a_factor(self, module: nn.Module, inputs: Tensor) -> tuple[Tensor, int]:
         rows = inputs.numel() // inputs.shape[-1]
-        return linear_a_factor(inputs, self.has_bias(module)), rows
+        if self.options.method == "reference":
+            return linear_a_factor(inputs, self.has_bias(module)), rows
+        factor = linear_a_factor_gram(
+            inputs, self.has_bias(module), compute_dtype=self.options.compute_dtype
+        )
+        return factor, rows
 
     def g_factor(self, module: nn.Module, grad_output: Tensor) -> tuple[Tensor, int]:
         rows = grad_output.numel() // grad_output.shape[-1]
-        return linear_g_factor(grad_output), rows
+        if self.options.method == "reference":
+            return linear_g_factor(grad_output), rows
+        return linear_g_factor_gram(grad_output, compute_dtype=self.options.compute_dtype), rows

@@ -1,0 +1,285 @@
+"""Index bookkeeping of the correlation method: which correlations make which A block.
+
+Pure integer work that depends only on the geometry, done once and cached: for every
+block of kernel offsets (p, q), p ≤ q, the window of first positions is the whole image
+minus border strips plus their corners (inclusion-exclusion), and each piece is a
+correlation over a rectangle at one shift. Pieces that cannot be non-zero (the second
+position leaves the image) are dropped, so each border strip is computed only at the few
+shifts it needs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from spdkfac.layers.im2col import conv2d_output_size
+
+__all__ = [
+    "CorrelationPlan",
+    "StripGroup",
+    "Term",
+    "correlation_plan",
+    "window_coverage",
+]
+
+Pair = tuple[int, int]
+# A rectangle of first positions: (row start, row stop, column start, column stop).
+Region = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class Term:
+    """Correlations over ``region`` at shifts (a·dh, b·dw) for (a, b) in ``shifts``.
+
+    A border strip's shifts fill the rectangle ``a_range × b_range`` (row-major), which
+    its batched gather computes anyway; the whole image computes only the shifts needed.
+    """
+
+    region: Region
+    shifts: tuple[Pair, ...]
+
+    @property
+    def a_range(self) -> Pair:
+        return (min(a for a, _ in self.shifts), max(a for a, _ in self.shifts))
+
+    @property
+    def b_range(self) -> Pair:
+        return (min(b for _, b in self.shifts), max(b for _, b in self.shifts))
+
+    @property
+    def area(self) -> int:
+        return (self.region[1] - self.region[0]) * (self.region[3] - self.region[2])
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Rows, columns, a count, b count: terms of equal shape are batched together."""
+        (a0, a1), (b0, b1) = self.a_range, self.b_range
+        rows, cols = self.region[1] - self.region[0], self.region[3] - self.region[2]
+        return (rows, cols, a1 - a0 + 1, b1 - b0 + 1)
+
+
+@dataclass(frozen=True)
+class StripGroup:
+    """Border terms of one shape (rows, columns, a count, b count), one batched product.
+
+    Each term's region starts at ``origins[t]`` (row, column) of the image; its shifts
+    are (a·dh, b·dw) for a from ``a0`` and b from ``b0``. Results fill stacked rows
+    ``start .. start + terms·shifts``, term by term, shifts row-major. ``grid`` =
+    (row count, row step, column count, column step) when the origins, in order, are
+    that grid from ``origins[0]``; ``own_shift`` is the index of shift (0, 0), if any.
+    """
+
+    start: int
+    shape: tuple[int, int, int, int]
+    a0: int
+    b0: int
+    origins: tuple[Pair, ...]
+    grid: tuple[int, int, int, int] | None
+    own_shift: int | None
+
+    @property
+    def terms(self) -> int:
+        return len(self.origins)
+
+    @property
+    def shifts(self) -> int:
+        return self.shape[2] * self.shape[3]
+
+
+def _grid(origins: list[Pair]) -> tuple[int, int, int, int] | None:
+    """(row count, row step, column count, column step) if the sorted origins are a grid."""
+    rows = sorted({r for r, _ in origins})
+    cols = sorted({c for _, c in origins})
+    if len(rows) * len(cols) != len(origins):
+        return None
+    row_step = rows[1] - rows[0] if len(rows) > 1 else 0
+    col_step = cols[1] - cols[0] if len(cols) > 1 else 0
+    if rows != [rows[0] + i * row_step for i in range(len(rows))]:
+        return None
+    if cols != [cols[0] + j * col_step for j in range(len(cols))]:
+        return None
+    return (len(rows), row_step, len(cols), col_step)
+
+
+class _Piece(NamedTuple):
+    """``sign`` times the correlation over ``region`` at shift (a, b), part of one block."""
+
+    region: Region
+    sign: int
+    a: int
+    b: int
+
+
+@dataclass(frozen=True)
+class CorrelationPlan:
+    """Everything about one geometry that does not depend on the data."""
+
+    whole: Term | None  # the whole-image term (one convolution), in stacked rows 0..
+    groups: tuple[StripGroup, ...]
+    rows: int  # stacked rows, the last one all zeros
+    initial: Tensor  # [blocks] stacked row each block starts from
+    plus: tuple[Tensor, Tensor]  # (block, stacked row) pairs to add
+    minus: tuple[Tensor, Tensor]  # (block, stacked row) pairs to subtract
+    first: Tensor  # [blocks] kernel offset p = u·kw + v of the block's rows
+    second: Tensor  # [blocks] kernel offset q >= p of its columns; p == q blocks first
+    diagonal: int  # number of blocks with p == q
+    corners: Tensor  # [4, kh·kw] integral-image indices of each window's corners
+
+
+def _clip(value: int, high: int) -> int:
+    return min(max(value, 0), high)
+
+
+def _windows(size: Pair, kernel_size: Pair, padding: Pair, dilation: Pair) -> list[list[Pair]]:
+    """Per dimension, the first positions (clipped to the image) of each kernel offset."""
+    out = conv2d_output_size(size, kernel_size, (1, 1), padding, dilation)
+    return [
+        [
+            (
+                _clip(k * dilation[d] - padding[d], size[d]),
+                _clip(k * dilation[d] - padding[d] + out[d], size[d]),
+            )
+            for k in range(kernel_size[d])
+        ]
+        for d in range(2)
+    ]
+
+
+def _pieces(
+    size: Pair, windows: list[list[Pair]], dilation: Pair, kw: int, p: int, q: int
+) -> list[_Piece]:
+    """Inclusion-exclusion of block (p, q)'s window, minus pieces that are always zero."""
+    height, width = size
+    (u, v), (u2, v2) = divmod(p, kw), divmod(q, kw)
+    a, b = u2 - u, v2 - v
+    (r0, r1), (c0, c1) = windows[0][u], windows[1][v]
+    pieces = []
+    for (top, bottom), row_sign in (((0, height), 1), ((0, r0), -1), ((r1, height), -1)):
+        for (left, right), col_sign in (((0, width), 1), ((0, c0), -1), ((c1, width), -1)):
+            if top >= bottom or left >= right:
+                continue
+            # The second position leaves the image for every first one: the piece is 0.
+            if top + a * dilation[0] >= height:
+                continue
+            if left + b * dilation[1] >= width or right - 1 + b * dilation[1] < 0:
+                continue
+            pieces.append(_Piece((top, bottom, left, right), row_sign * col_sign, a, b))
+    return pieces
+
+
+@functools.lru_cache(maxsize=256)
+def correlation_plan(
+    size: Pair, kernel_size: Pair, padding: Pair, dilation: Pair, device: torch.device
+) -> CorrelationPlan:
+    """The plan of the correlation method for a stride-1 geometry (cached).
+
+    Strip origins are (row, column) of the image; shifts may reach past its bottom and
+    right edges and, for b < 0, left of it: the caller's buffer must read zeros there.
+    """
+    height, width = size
+    kh, kw = kernel_size
+    windows = _windows(size, kernel_size, padding, dilation)
+    pairs = sorted(
+        ((p, q) for p in range(kh * kw) for q in range(p, kh * kw)), key=lambda pq: pq[0] != pq[1]
+    )
+    blocks = [_pieces(size, windows, dilation, kw, p, q) for p, q in pairs]
+    needed: dict[Region, list[Pair]] = {}
+    for pieces in blocks:
+        for piece in pieces:
+            needed.setdefault(piece.region, []).append((piece.a, piece.b))
+    whole_region = (0, height, 0, width)
+    terms = []
+    for region, shifts in needed.items():
+        if region == whole_region:
+            terms.append(Term(region, tuple(sorted(set(shifts)))))
+            continue
+        a_values, b_values = [a for a, _ in shifts], [b for _, b in shifts]
+        rectangle = [
+            (a, b)
+            for a in range(min(a_values), max(a_values) + 1)
+            for b in range(min(b_values), max(b_values) + 1)
+        ]
+        terms.append(Term(region, tuple(rectangle)))
+    whole = next((t for t in terms if t.region == whole_region), None)
+    starts: dict[Region, int] = {}
+    row = 0
+    if whole is not None:
+        starts[whole.region] = 0
+        row = len(whole.shifts)
+    # Strips of one shape whose shifts start at the same (a, b) share one batched product.
+    by_shape: dict[tuple[int, int, int, int, int, int], list[Term]] = {}
+    for term in terms:
+        if term is not whole:
+            key = (*term.shape, term.a_range[0], term.b_range[0])
+            by_shape.setdefault(key, []).append(term)
+    groups = []
+    for key, members in by_shape.items():
+        members.sort(key=lambda term: (term.region[0], term.region[2]))  # grid order
+        group_start = row
+        for term in members:
+            starts[term.region] = row
+            row += len(term.shifts)
+        origins = [(term.region[0], term.region[2]) for term in members]
+        own = (0, 0) in members[0].shifts
+        own_shift = members[0].shifts.index((0, 0)) if own else None
+        group = StripGroup(
+            group_start, key[:4], key[4], key[5], tuple(origins), _grid(origins), own_shift
+        )
+        groups.append(group)
+    by_region = {term.region: term for term in terms}
+
+    def stacked_row(piece: _Piece) -> int:
+        return starts[piece.region] + by_region[piece.region].shifts.index((piece.a, piece.b))
+
+    initial: list[int] = []
+    plus: list[Pair] = []
+    minus: list[Pair] = []
+    for index, pieces in enumerate(blocks):
+        head = next((piece for piece in pieces if piece.sign > 0), None)
+        initial.append(row if head is None else stacked_row(head))
+        for piece in pieces:
+            if piece is not head:
+                (plus if piece.sign > 0 else minus).append((index, stacked_row(piece)))
+    corners: list[list[int]] = [[], [], [], []]
+    for r0, r1 in windows[0]:
+        for c0, c1 in windows[1]:
+            for bucket, (r, c) in zip(
+                corners, ((r1, c1), (r0, c1), (r1, c0), (r0, c0)), strict=True
+            ):
+                bucket.append(r * (width + 1) + c)
+
+    def tensor(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    def pair_tensors(values: list[Pair]) -> tuple[Tensor, Tensor]:
+        return tensor([d for d, _ in values]), tensor([s for _, s in values])
+
+    return CorrelationPlan(
+        whole=whole,
+        groups=tuple(groups),
+        rows=row + 1,
+        initial=tensor(initial),
+        plus=pair_tensors(plus),
+        minus=pair_tensors(minus),
+        first=tensor([p for p, _ in pairs]),
+        second=tensor([q for _, q in pairs]),
+        diagonal=sum(1 for p, q in pairs if p == q),
+        corners=tensor([i for bucket in corners for i in bucket]).view(4, -1),
+    )
+
+
+def window_coverage(size: Pair, kernel_size: Pair, padding: Pair, dilation: Pair) -> float:
+    """The smallest window of first positions as a fraction of the image (1 for 'same').
+
+    The method subtracts border strips from whole-image sums, so rounding errors of
+    those sums grow by up to the inverse of this; it matters for bf16/fp16 products.
+    """
+    windows = _windows(size, kernel_size, padding, dilation)
+    rows = min(stop - start for start, stop in windows[0]) / size[0]
+    cols = min(stop - start for start, stop in windows[1]) / size[1]
+    return rows * cols

@@ -1,0 +1,171 @@
+"""Choosing how to compute a Conv2d A factor: candidates, a modelled or measured choice."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from spdkfac.layers.correlation import conv2d_a_factor_correlation, correlation_supported
+from spdkfac.layers.correlation_plan import window_coverage
+from spdkfac.layers.factor_costs import ConcreteMethod, Conv2dGeometry, estimate_conv2d_a_seconds
+from spdkfac.layers.im2col import conv2d_a_factor_im2col
+from spdkfac.layers.kernels import LOW_PRECISION_DTYPES
+from spdkfac.layers.options import FactorOptions, SelectionPolicy
+
+__all__ = [
+    "LOW_PRECISION_MIN_COVERAGE",
+    "ConcreteMethod",
+    "Conv2dGeometry",
+    "conv2d_a_factor_fast",
+    "conv2d_a_methods",
+    "estimate_conv2d_a_seconds",
+    "select_conv2d_a_method",
+]
+
+Pair = tuple[int, int]
+
+
+#: In bf16/fp16, correlation is a candidate only when every window of first positions
+#: covers at least this fraction of the image (its rounding error grows as 1/coverage).
+LOW_PRECISION_MIN_COVERAGE = 0.5
+
+
+def conv2d_a_methods(geometry: Conv2dGeometry) -> tuple[ConcreteMethod, ...]:
+    """The fast methods for this geometry: im2col always, correlation at stride 1 (k > 1).
+
+    In bf16/fp16, correlation also needs windows covering most of the image (see
+    :data:`LOW_PRECISION_MIN_COVERAGE`), so that its error stays that of im2col.
+    """
+    g = geometry
+    if not correlation_supported(g.stride) or g.kernel_size == (1, 1):
+        return ("im2col",)
+    if g.compute_dtype in LOW_PRECISION_DTYPES:
+        coverage = window_coverage(g.size, g.kernel_size, g.padding, g.dilation)
+        if coverage < LOW_PRECISION_MIN_COVERAGE:
+            return ("im2col",)
+    return ("im2col", "correlation")
+
+
+_MEASURED: dict[Conv2dGeometry, ConcreteMethod] = {}
+
+
+def select_conv2d_a_method(
+    geometry: Conv2dGeometry,
+    *,
+    policy: SelectionPolicy = "model",
+    measure: Callable[[ConcreteMethod], float] | None = None,
+) -> ConcreteMethod:
+    """The method to use for this geometry.
+
+    Args:
+        geometry: The call's geometry.
+        policy: ``"model"``: the cheapest by :func:`estimate_conv2d_a_seconds` on CPUs,
+            im2col elsewhere. ``"measure"``: the fastest by ``measure`` (seconds of one
+            run of a method), cached per geometry for the life of the process.
+        measure: Times one method; required for ``"measure"`` on a geometry not seen yet.
+    """
+    candidates = conv2d_a_methods(geometry)
+    if len(candidates) == 1:
+        return candidates[0]
+    if policy == "measure":
+        if geometry not in _MEASURED:
+            if measure is None:
+                raise ValueError("selection 'measure' needs a measure callable for a new geometry")
+            _MEASURED[geometry] = min(candidates, key=measure)
+        return _MEASURED[geometry]
+    if geometry.device_type != "cpu":
+        return "im2col"
+    return min(candidates, key=lambda m: estimate_conv2d_a_seconds(geometry, m))
+
+
+_METHODS: dict[ConcreteMethod, Callable[..., Tensor]] = {
+    "im2col": conv2d_a_factor_im2col,
+    "correlation": conv2d_a_factor_correlation,
+}
+
+
+def conv2d_a_factor_fast(
+    inputs: Tensor,
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Pair,
+    dilation: Pair,
+    *,
+    bias: bool,
+    options: FactorOptions | None = None,
+) -> Tensor:
+    """The Conv2d A factor of :func:`~spdkfac.layers.conv2d.conv2d_a_factor` by the chosen method.
+
+    Args:
+        inputs: ``[B, C, H, W]`` layer input, already padded for non-zero padding modes.
+        kernel_size, stride, padding, dilation: The convolution's geometry (zero padding).
+        bias: Append the bias row and column.
+        options: Method, compute dtype and selection policy; None means the defaults.
+
+    Returns:
+        New ``[C·kh·kw(+1), C·kh·kw(+1)]`` symmetric factor of the input's dtype.
+
+    Raises:
+        ValueError: For ``method="reference"``, which is
+            :func:`~spdkfac.layers.conv2d.conv2d_a_factor` itself.
+    """
+    options = FactorOptions() if options is None else options
+    if options.method == "reference":
+        raise ValueError(
+            "conv2d_a_factor_fast runs the fast methods; the reference is conv2d_a_factor"
+        )
+    geometry = Conv2dGeometry.of(
+        inputs,
+        kernel_size,
+        stride,
+        padding,
+        dilation,
+        bias=bias,
+        compute_dtype=options.compute_dtype,
+    )
+    method: ConcreteMethod
+    if options.method == "auto":
+
+        def measure(candidate: ConcreteMethod) -> float:
+            return _time_once(
+                lambda: _METHODS[candidate](
+                    inputs,
+                    kernel_size,
+                    stride,
+                    padding,
+                    dilation,
+                    bias=bias,
+                    compute_dtype=options.compute_dtype,
+                ),
+                inputs.device,
+            )
+
+        method = select_conv2d_a_method(geometry, policy=options.selection, measure=measure)
+    elif options.method == "correlation" and "correlation" not in conv2d_a_methods(geometry):
+        method = "im2col"
+    else:
+        method = options.method
+    return _METHODS[method](
+        inputs,
+        kernel_size,
+        stride,
+        padding,
+        dilation,
+        bias=bias,
+        compute_dtype=options.compute_dtype,
+    )
+
+
+def _time_once(run: Callable[[], Tensor], device: torch.device) -> float:
+    """Seconds of one run after a warm-up run (which also fills the workspaces)."""
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
