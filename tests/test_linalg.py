@@ -14,6 +14,13 @@ def _spd(dim: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tenso
     return x.T @ x / (dim * 2)
 
 
+@pytest.mark.parametrize("dim", [1, 2, 5, 17, 64, 577])
+def test_exact_symmetry_of_cholesky_inverses(dim: int) -> None:
+    inverse = damped_inverse(_spd(dim, dim, torch.float32), 1e-3)
+    assert torch.equal(inverse, inverse.T) and inverse.is_contiguous()
+    assert torch.equal(unpack_triu(pack_triu(inverse), dim), inverse)
+
+
 @pytest.mark.parametrize("dim", [1, 2, 5, 17])
 def test_pack_unpack_round_trip(dim: int) -> None:
     matrix = _spd(dim, dim)
@@ -38,6 +45,8 @@ def test_damped_inverse_matches_float64_inverse(method: str, dtype: torch.dtype)
     tolerance = 1e-10 if dtype == torch.float64 else 1e-4
     torch.testing.assert_close(inverse.double(), expected, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(factor, original, rtol=0, atol=0)  # damping went to a copy
+    # Exactly symmetric and row-major: a broadcast upper triangle rebuilds it bit for bit.
+    assert torch.equal(inverse, inverse.T) and inverse.is_contiguous()
 
 
 @pytest.mark.parametrize(
