@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -11,11 +10,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from spdkfac.agreement import check_agreement, shared_cost_model
 from spdkfac.capture import ActivationCapture
 from spdkfac.comm import Communicator, make_communicator
 from spdkfac.comm.exchange import FactorExchange
 from spdkfac.config import STRATEGIES, FloatSchedule, IntSchedule, KFACConfig, SkipEntry
-from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel, resolve_cost_model
+from spdkfac.costmodel import CostModel
 from spdkfac.curvature import (
     LayerState,
     layer_states_to_dict,
@@ -141,7 +141,7 @@ class KFACPreconditioner:
             local_error: ValueError | None = None
         except ValueError as error:
             layers, local_error = None, error
-        self._check_agreement(layers, local_error)
+        check_agreement(self._communicator, self.config.fingerprint(), layers, local_error)
         assert layers is not None
         self._layers = layers
         self._forward_order: list[str] = []
@@ -152,7 +152,7 @@ class KFACPreconditioner:
             for name, state in layers.items()
             for kind in ("A", "G")
         ]
-        costs = self._shared_cost_model(cost_model)
+        costs = shared_cost_model(self._communicator, cost_model)
         self._plan = plan_inversions(
             specs, self._communicator.world_size, self.config.inverse_placement, costs
         )
@@ -170,63 +170,6 @@ class KFACPreconditioner:
             on_grad_output=self._capture_grad_output,
             enabled=self._capturing,
         )
-
-    def _check_agreement(
-        self, layers: Mapping[str, LayerState] | None, local_error: ValueError | None
-    ) -> None:
-        """All ranks compare a digest of options and layers; any difference fails all."""
-        if self._communicator.world_size == 1:
-            if local_error is not None:
-                raise local_error
-            return
-        text = (
-            self.config.fingerprint()
-            + "|"
-            + (
-                "error"
-                if layers is None
-                else ";".join(f"{n}:{s.a_dim}x{s.g_dim}" for n, s in layers.items())
-            )
-        )
-        digest = torch.frombuffer(
-            bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8
-        )
-        gathered = self._communicator.all_gather(digest.to(self._communicator.device)).wait()
-        if local_error is not None:
-            raise local_error
-        differing = [
-            r for r, d in enumerate(gathered) if not torch.equal(d.cpu(), gathered[0].cpu())
-        ]
-        if differing:
-            raise ValueError(
-                f"ranks disagree on the K-FAC options or registered layers: ranks {differing} "
-                f"differ from rank 0 (rank {self._communicator.rank}: {len(layers or {})} "
-                f"layers, {self.config.fingerprint()})"
-            )
-
-    def _shared_cost_model(
-        self, cost_model: CostModel | str | os.PathLike[str] | None
-    ) -> CostModel:
-        """Rank 0's cost model on every rank, so plans and broadcast groups agree even when
-        each rank measured its own. Only rank 0 loads a file; a failure there is raised on
-        every rank instead of leaving the others waiting in the broadcast."""
-        comm = self._communicator
-        error: Exception | None = None
-        local = DEFAULT_COST_MODEL
-        if comm.rank == 0:
-            try:
-                local = resolve_cost_model(cost_model, comm.world_size)
-            except (OSError, ValueError) as exc:
-                error = exc
-        if comm.world_size == 1:
-            if error is not None:
-                raise error
-            return local
-        vector = torch.tensor([float(error is not None), *local.as_vector()], dtype=torch.float64)
-        shared = comm.broadcast(vector.to(comm.device), src=0).wait().cpu().tolist()
-        if shared[0]:
-            raise error or ValueError(f"cost_model: rank 0 could not load {cost_model!r}")
-        return CostModel.from_vector(shared[1:])
 
     # ------------------------------------------------------------------ introspection
     @property

@@ -1,0 +1,86 @@
+"""What every rank must agree on before training: options, registered layers, cost model.
+
+Both checks are collectives issued once, at construction, in the same order on every rank;
+a disagreement or a local failure becomes the same error on every rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+
+import torch
+
+from spdkfac.comm import Communicator
+from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel, resolve_cost_model
+from spdkfac.curvature import LayerState
+
+__all__ = ["check_agreement", "shared_cost_model"]
+
+
+def check_agreement(
+    communicator: Communicator,
+    fingerprint: str,
+    layers: Mapping[str, LayerState] | None,
+    local_error: ValueError | None,
+) -> None:
+    """All ranks compare a digest of their options and layers; any difference fails all.
+
+    Args:
+        communicator: The group.
+        fingerprint: This rank's options (``KFACConfig.fingerprint()``).
+        layers: This rank's registered layers, or None when discovering them failed.
+        local_error: That failure; re-raised here after the others learned about it.
+
+    Raises:
+        ValueError: ``local_error``, or a disagreement naming the ranks that differ.
+    """
+    if communicator.world_size == 1:
+        if local_error is not None:
+            raise local_error
+        return
+    described = (
+        "error"
+        if layers is None
+        else ";".join(f"{n}:{s.a_dim}x{s.g_dim}" for n, s in layers.items())
+    )
+    digest = hashlib.sha256(f"{fingerprint}|{described}".encode()).digest()
+    local = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(communicator.device)
+    gathered = [t.cpu() for t in communicator.all_gather(local).wait()]
+    if local_error is not None:
+        raise local_error
+    differing = [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
+    if differing:
+        raise ValueError(
+            f"ranks disagree on the K-FAC options or registered layers: ranks {differing} "
+            f"differ from rank 0 (rank {communicator.rank}: {len(layers or {})} layers, "
+            f"{fingerprint})"
+        )
+
+
+def shared_cost_model(
+    communicator: Communicator, cost_model: CostModel | str | os.PathLike[str] | None
+) -> CostModel:
+    """Rank 0's cost model on every rank.
+
+    Plans and broadcast groups then agree even when each rank measured its own. Only rank 0
+    loads a file; a failure there is raised on every rank instead of leaving the others
+    waiting in the broadcast.
+    """
+    error: Exception | None = None
+    local = DEFAULT_COST_MODEL
+    if communicator.rank == 0:
+        try:
+            local = resolve_cost_model(cost_model, communicator.world_size)
+        except (OSError, ValueError) as exc:
+            error = exc
+    if communicator.world_size == 1:
+        if error is not None:
+            raise error
+        return local
+    vector = torch.tensor([float(error is not None), *local.as_vector()], dtype=torch.float64)
+    shared = communicator.broadcast(vector.to(communicator.device), src=0).wait().cpu().tolist()
+    if shared[0]:
+        raise error or ValueError(f"cost_model: rank 0 could not load {cost_model!r}")
+    return CostModel.from_vector(shared[1:])
