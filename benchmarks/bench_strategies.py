@@ -57,17 +57,29 @@ def _calibrate_broadcast(comm: Any) -> tuple[float, float]:
     return max(t_small - beta * small, 0.0), beta
 
 
+def _model_factor_dims(model: torch.nn.Module) -> list[int]:
+    from spdkfac.discovery import discover_layers
+
+    layers = discover_layers(model, ())
+    return sorted({d for state in layers.values() for d in (state.a_dim, state.g_dim)})
+
+
 def _worker(args: argparse.Namespace) -> None:
     from spdkfac import KFACPreconditioner
+    from spdkfac.calibrate import measure_inverses
     from spdkfac.comm import destroy_distributed, init_distributed
-    from spdkfac.costmodel import DEFAULT_COST_MODEL, AlphaBetaModel, CostModel
+    from spdkfac.costmodel import AlphaBetaModel, CostModel, PolynomialInverseModel
     from spdkfac.models import build_model
 
     torch.set_num_threads(1)
     comm = init_distributed("gloo")
     alpha, beta = _calibrate_broadcast(comm)
+    # Inverse costs fitted on this model's own factor sizes, measured on both ranks at once
+    # as in training (rank 0's model is the one every rank plans with).
+    dims = _model_factor_dims(build_model(args.model, num_classes=10, in_channels=3, input_size=32))
+    inverse = PolynomialInverseModel.fit(measure_inverses(dims, repeats=5, damping=3e-3))
     cost_model = CostModel(
-        inverse=DEFAULT_COST_MODEL.inverse,
+        inverse=inverse,
         broadcast=AlphaBetaModel(alpha, beta),
         allreduce=AlphaBetaModel(alpha, beta),
     )
@@ -122,6 +134,7 @@ def _worker(args: argparse.Namespace) -> None:
         out = {
             "broadcast_alpha": alpha,
             "broadcast_beta": beta,
+            "inverse_model": [inverse.c0, inverse.c2, inverse.c3],
             "variants": [
                 {k: v[k] for k in ("label", "times", "inverse", "plan")} for v in variants
             ],
@@ -185,7 +198,9 @@ def _report(link: str, data: dict[str, Any], warmup: int) -> list[str]:
         "",
         f"broadcast measured at start-up: α = {1e3 * data['broadcast_alpha']:.3f} ms, "
         f"β = {1e9 * data['broadcast_beta']:.3f} ns/byte "
-        f"({1e-9 / max(data['broadcast_beta'], 1e-15):.3f} GB/s)",
+        f"({1e-9 / max(data['broadcast_beta'], 1e-15):.3f} GB/s); inverse model fitted on "
+        f"the model's factor dims: c0 = {data['inverse_model'][0]:.3g} s, "
+        f"c2 = {data['inverse_model'][1]:.3g} s, c3 = {data['inverse_model'][2]:.3g} s",
         "",
         "| variant | median ms/iter | IQR ms | ratio to SGD | ratio to D-KFAC "
         "| inverse phase ms (median, n) |",

@@ -222,12 +222,12 @@ class CostModel:
         return self.allreduce.predict(elements * self.bytes_per_element)
 
 
-# Measured on this project's 2-core x86_64 machine, one thread per rank, gloo on loopback
-# (CLUSTER.md: ~0.3 ms start-up, ~1.5 GB/s) and Cholesky inverses with torch 2.13 (0.41 ms
-# at d=128, 5.3 ms at d=577, 50 ms at d=1024). ``spdkfac calibrate`` measures a
-# replacement; pass its file as ``cost_model=PATH``.
+# Fitted by ``spdkfac calibrate`` on this project's 2-core x86_64 machine (torch 2.13, one
+# thread per rank): the inverse from the single-process run, the collectives from the
+# 2-rank run on gloo/loopback (benchmarks/reports/costmodel_cpu*.json). Pass a file of your
+# own machine's as ``cost_model=PATH``.
 DEFAULT_COST_MODEL = CostModel(
-    inverse=PolynomialInverseModel(c0=6e-5, c2=1e-8, c3=3.5e-11),
-    broadcast=AlphaBetaModel(alpha=3e-4, beta=7e-10),
-    allreduce=AlphaBetaModel(alpha=3.5e-4, beta=7e-10),
+    inverse=PolynomialInverseModel(c0=6.87e-5, c2=6.66e-9, c3=1.574e-11),
+    broadcast=AlphaBetaModel(alpha=2.09e-4, beta=3.35e-10),
+    allreduce=AlphaBetaModel(alpha=3.25e-4, beta=7.35e-10),
 )
