@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_distributed"]
+__all__ = ["RecordingCommunicator", "run_distributed"]
 
 
 def _worker(
@@ -117,3 +117,57 @@ def run_distributed(
     if errors:
         raise AssertionError("distributed run failed:\n" + "\n".join(errors))
     return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]
+
+
+class RecordingCommunicator:
+    """Wraps a communicator and logs every collective as ``(op, numel, dtype)``.
+
+    Passed as ``process_group=`` to the preconditioner, it records the collectives a rank
+    issues so tests can compare them across ranks; ``duplicate()`` shares the log, tagging
+    the new group's entries.
+    """
+
+    def __init__(
+        self, inner: Any, log: list[tuple[str, int, str]] | None = None, tag: str = ""
+    ) -> None:
+        self.inner = inner
+        self.log: list[tuple[str, int, str]] = [] if log is None else log
+        self.tag = tag
+
+    @property
+    def rank(self) -> int:
+        return int(self.inner.rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.inner.world_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device  # type: ignore[no-any-return]
+
+    def _record(self, op: str, tensor: torch.Tensor) -> None:
+        self.log.append((f"{self.tag}{op}", tensor.numel(), str(tensor.dtype)))
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Any:
+        self._record("all_reduce_sum", tensor)
+        return self.inner.all_reduce_sum(tensor)
+
+    def all_reduce_average(self, tensor: torch.Tensor) -> Any:
+        self._record("all_reduce_average", tensor)
+        return self.inner.all_reduce_average(tensor)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> Any:
+        self._record("all_reduce_max", tensor)
+        return self.inner.all_reduce_max(tensor)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        self._record(f"broadcast(src={src})", tensor)
+        return self.inner.broadcast(tensor, src)
+
+    def all_gather(self, tensor: torch.Tensor) -> Any:
+        self._record("all_gather", tensor)
+        return self.inner.all_gather(tensor)
+
+    def duplicate(self) -> RecordingCommunicator:
+        return RecordingCommunicator(self.inner.duplicate(), self.log, tag=self.tag + "dup:")

@@ -6,8 +6,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
+from spdkfac.comm.fusion import FACTOR_EXCHANGES
 from spdkfac.layers import FactorOptions
 from spdkfac.linalg import INVERSE_METHODS
 from spdkfac.placement import PLACEMENTS
@@ -33,7 +35,8 @@ class StrategyPreset:
     """A distributed K-FAC algorithm as a composition of policies.
 
     Attributes:
-        factor_exchange: When factors are all-reduced (``"after-backward"``: in ``step()``).
+        factor_exchange: When and how factors are all-reduced (a fusion policy of
+            :mod:`spdkfac.comm.fusion`; ``"after-backward"``: all at ``step()``).
         placement: Inverse placement planner (see :mod:`spdkfac.placement`).
         fuse_broadcasts: Pack an owner's consecutive inverses into one broadcast until its
             bandwidth time outweighs the start-up time (cost model), instead of one
@@ -51,7 +54,7 @@ STRATEGIES: dict[str, StrategyPreset] = {
     "d-kfac": StrategyPreset(factor_exchange="after-backward", placement="replicated"),
     "mpd-kfac": StrategyPreset(factor_exchange="after-backward", placement="round-robin"),
     "spd-kfac": StrategyPreset(
-        factor_exchange="after-backward", placement="balanced", fuse_broadcasts=True
+        factor_exchange="optimal", placement="balanced", fuse_broadcasts=True
     ),
 }
 
@@ -116,6 +119,15 @@ class KFACConfig:
             ``"round-robin"`` or ``"balanced"``); None keeps the preset's.
         factor_options: How factors are computed (method, compute dtype); see
             :class:`~spdkfac.layers.FactorOptions`.
+        factor_exchange: Overrides the strategy's fusion policy (``"after-backward"``,
+            ``"layerwise"``, ``"threshold"`` or ``"optimal"``); None keeps the preset's.
+        bucket_cap_mb: Bucket cap of the ``threshold`` and ``after-backward`` policies.
+        fusion_warmup_steps: Factor steps measured before the ``optimal`` plan is made.
+        factor_comm_dtype: Dtype factors travel in (e.g. ``torch.bfloat16``); running
+            averages stay in float32. None: the factors' own dtype.
+        accumulation_steps: Forward/backward passes per ``step()`` (gradient
+            accumulation). Factors are exchanged once, after the last pass; each pass's
+            loss is assumed divided by ``accumulation_steps``, as in the usual recipe.
     """
 
     damping: FloatSchedule = 0.003
@@ -129,6 +141,11 @@ class KFACConfig:
     strategy: str = "spd-kfac"
     placement: str | None = None
     factor_options: FactorOptions = field(default_factory=FactorOptions)
+    factor_exchange: str | None = None
+    bucket_cap_mb: float = 64.0
+    fusion_warmup_steps: int = 5
+    factor_comm_dtype: torch.dtype | None = None
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         if not callable(self.damping):
@@ -169,6 +186,24 @@ class KFACConfig:
             raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {self.strategy!r}")
         if not isinstance(self.factor_options, FactorOptions):
             raise ValueError(f"factor_options must be a FactorOptions, got {self.factor_options!r}")
+        if self.factor_exchange is not None and self.factor_exchange not in FACTOR_EXCHANGES:
+            raise ValueError(
+                f"factor_exchange must be one of {FACTOR_EXCHANGES}, got {self.factor_exchange!r}"
+            )
+        _check_positive_float("bucket_cap_mb", self.bucket_cap_mb)
+        _check_interval("fusion_warmup_steps", self.fusion_warmup_steps)
+        _check_interval("accumulation_steps", self.accumulation_steps)
+        if self.factor_comm_dtype not in (
+            None,
+            torch.float32,
+            torch.float64,
+            torch.bfloat16,
+            torch.float16,
+        ):
+            raise ValueError(
+                "factor_comm_dtype must be None, torch.float32, torch.float64, torch.bfloat16 "
+                f"or torch.float16, got {self.factor_comm_dtype!r}"
+            )
         if self.placement is not None and self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
@@ -178,9 +213,9 @@ class KFACConfig:
         return self.placement or STRATEGIES[self.strategy].placement
 
     @property
-    def factor_exchange(self) -> str:
-        """The factor exchange policy of the strategy."""
-        return STRATEGIES[self.strategy].factor_exchange
+    def fusion_policy(self) -> str:
+        """The fusion policy in effect: the override, else the strategy's."""
+        return self.factor_exchange or STRATEGIES[self.strategy].factor_exchange
 
     def fingerprint(self) -> str:
         """A text that is equal on two ranks iff their options are (callables by name)."""

@@ -29,6 +29,7 @@ class FactorAccumulator:
 
     total: Tensor | None = None
     weight: int = 0
+    calls: int = 0
 
     def add(self, factor: Tensor, weight: int) -> None:
         """Add one call's factor, which averages ``weight`` examples."""
@@ -37,6 +38,7 @@ class FactorAccumulator:
         else:
             self.total.add_(factor, alpha=weight)
         self.weight += weight
+        self.calls += 1
 
     def mean(self) -> Tensor | None:
         """The weighted mean of what was added, or None when nothing was."""
@@ -48,6 +50,7 @@ class FactorAccumulator:
         """Forget every contribution."""
         self.total = None
         self.weight = 0
+        self.calls = 0
 
 
 def running_average(current: Tensor | None, new: Tensor, decay: float) -> Tensor:

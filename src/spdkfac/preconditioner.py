@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -13,10 +14,12 @@ from torch import Tensor, nn
 from spdkfac.agreement import check_agreement, shared_cost_model
 from spdkfac.capture import ActivationCapture
 from spdkfac.comm import Communicator, make_communicator
-from spdkfac.comm.exchange import FactorExchange
+from spdkfac.comm.fusion import FusionPlan
+from spdkfac.comm.pipeline import FactorPipeline
 from spdkfac.config import STRATEGIES, FloatSchedule, IntSchedule, KFACConfig, SkipEntry
 from spdkfac.costmodel import CostModel
 from spdkfac.curvature import (
+    FactorAccumulator,
     LayerState,
     layer_states_to_dict,
     load_layer_states,
@@ -77,6 +80,13 @@ class KFACPreconditioner:
             measured on the project's reference machine). Rank 0's is used on every rank.
         factor_options: How factors are computed (method, compute dtype); default: the
             fastest exact method per layer in float32.
+        factor_exchange: Override of the strategy's fusion policy: ``"after-backward"``,
+            ``"layerwise"``, ``"threshold"`` or ``"optimal"`` (SPD-KFAC's pipelining).
+        accumulation_steps: Forward/backward passes per :meth:`step` (gradient
+            accumulation, each pass's loss divided by it); factors are exchanged once.
+        factor_comm_dtype: Dtype factors travel in (``torch.bfloat16`` halves the bytes).
+        bucket_cap_mb: Bucket cap of the ``threshold`` and ``after-backward`` policies.
+        fusion_warmup_steps: Factor steps measured before the ``optimal`` plan is made.
         profile: Record ``kfac/<phase>/<layer>`` spans in :attr:`profiler` (off: no cost).
 
     Raises:
@@ -102,6 +112,11 @@ class KFACPreconditioner:
         process_group: Any = None,
         cost_model: CostModel | str | os.PathLike[str] | None = None,
         factor_options: FactorOptions | None = None,
+        factor_exchange: str | None = None,
+        accumulation_steps: int = 1,
+        factor_comm_dtype: torch.dtype | None = None,
+        bucket_cap_mb: float = 64.0,
+        fusion_warmup_steps: int = 5,
         profile: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -125,8 +140,17 @@ class KFACPreconditioner:
             strategy=strategy,
             placement=placement,
             factor_options=factor_options or FactorOptions(),
+            factor_exchange=factor_exchange,
+            accumulation_steps=accumulation_steps,
+            factor_comm_dtype=factor_comm_dtype,
+            bucket_cap_mb=bucket_cap_mb,
+            fusion_warmup_steps=fusion_warmup_steps,
         )
-        self._communicator: Communicator = make_communicator(process_group)
+        self._communicator: Communicator = (
+            process_group
+            if isinstance(process_group, Communicator)
+            else make_communicator(process_group)
+        )
         self._model = unwrap_model(model)
         first = next(self._model.parameters(), None)
         self.profiler = Profiler(
@@ -145,6 +169,7 @@ class KFACPreconditioner:
         assert layers is not None
         self._layers = layers
         self._forward_order: list[str] = []
+        self._warned_extra_pass = False
         self._step = 0
         self._skipped_steps = 0
         specs = [
@@ -159,11 +184,25 @@ class KFACPreconditioner:
         fuse = STRATEGIES[self.config.strategy].fuse_broadcasts
         self._broadcast_group_elements = costs.broadcast_group_elements() if fuse else 0
         wide = any(state.factor_dtype == torch.float64 for state in layers.values())
-        self._exchange = FactorExchange(
-            self._communicator,
-            [(spec.key, spec.dim) for spec in specs],
-            dtype=torch.float64 if wide else torch.float32,
-        )
+        self._pipeline: FactorPipeline | None = None
+        if self._communicator.world_size > 1:
+            policy = self.config.fusion_policy
+            # Buckets launched from hooks get a group of their own, so they never
+            # interleave with DDP's gradient all-reduces on the default group.
+            group = (
+                self._communicator.duplicate() if policy != "after-backward" else self._communicator
+            )
+            self._pipeline = FactorPipeline(
+                group,
+                [(name, state.a_dim, state.g_dim) for name, state in layers.items()],
+                policy,
+                allreduce=costs.allreduce,
+                bucket_cap_bytes=int(self.config.bucket_cap_mb * 2**20),
+                warmup_steps=self.config.fusion_warmup_steps,
+                dtype=torch.float64 if wide else torch.float32,
+                comm_dtype=self.config.factor_comm_dtype,
+                profiler=self.profiler,
+            )
         self._capture = ActivationCapture(
             {name: state.module for name, state in layers.items()},
             on_input=self._capture_input,
@@ -222,6 +261,7 @@ class KFACPreconditioner:
         ):
             factor, weight = state.adapter.a_factor(module, inputs.to(state.factor_dtype))
             state.a_pending.add(factor, weight)
+            self._hand_over_if_final(f"{name}/A", state.a_pending)
 
     def _capture_grad_output(self, name: str, module: nn.Module, grad: Tensor) -> None:
         state = self._layers[name]
@@ -230,7 +270,43 @@ class KFACPreconditioner:
             _no_autocast(grad),
         ):
             factor, weight = state.adapter.g_factor(module, grad.to(state.factor_dtype))
+            steps = self.config.accumulation_steps
+            if steps > 1:
+                # δ = B·g assumes the loss is this pass's mean; with the loss divided by
+                # the number of passes, g is that much smaller and G its square smaller.
+                factor.mul_(float(steps * steps))
             state.g_pending.add(factor, weight)
+            self._hand_over_if_final(f"{name}/G", state.g_pending)
+
+    def _hand_over_if_final(self, key: str, pending: FactorAccumulator) -> None:
+        """After the last accumulation pass, give the factor to the (pipelined) exchange."""
+        if self._pipeline is None or pending.calls < self.config.accumulation_steps:
+            return
+        mean = pending.mean()
+        if mean is None or self._pipeline.hand_over(key, mean, float(pending.weight)):
+            return
+        if not self._warned_extra_pass:
+            self._warned_extra_pass = True
+            warnings.warn(
+                f"spdkfac: more forward/backward passes than accumulation_steps="
+                f"{self.config.accumulation_steps} before step(); the extra passes do "
+                "not update the factors",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    @property
+    def fusion_plan(self) -> FusionPlan | None:
+        """The factor buckets in use (None with a single rank: nothing is exchanged)."""
+        return None if self._pipeline is None else self._pipeline.plan
+
+    def replan_fusion(self) -> None:
+        """Re-plan the ``optimal`` fusion from fresh measurements after the next factor step.
+
+        Call it on every rank at the same step (it leads to a collective).
+        """
+        if self._pipeline is not None:
+            self._pipeline.request_replan()
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -318,7 +394,7 @@ class KFACPreconditioner:
 
     def _global_contributions(self, local_ok: bool) -> dict[str, Tensor | None] | None:
         """This step's factors averaged over all ranks; None when any rank flagged."""
-        if self._communicator.world_size == 1:
+        if self._pipeline is None:
             if not local_ok:
                 return None
             return {
@@ -326,17 +402,15 @@ class KFACPreconditioner:
                 for name, state in self._layers.items()
                 for kind, pending in (("A", state.a_pending), ("G", state.g_pending))
             }
-        contributions: dict[str, tuple[Tensor, float]] = {}
-        if local_ok:
-            for name, state in self._layers.items():
-                for kind, pending in (("A", state.a_pending), ("G", state.g_pending)):
-                    mean = pending.mean()
-                    if mean is not None:
-                        contributions[f"{name}/{kind}"] = (mean, float(pending.weight))
-        in_flight = self._exchange.start(contributions, flagged=not local_ok)
-        with self.profiler.span(span_name("factor_comm", "wait")):
-            result = in_flight.wait()
-        return None if result.flagged_ranks else result.factors
+        # Factors from fewer passes than accumulation_steps were not handed over yet.
+        for name, state in self._layers.items():
+            for kind, pending in (("A", state.a_pending), ("G", state.g_pending)):
+                mean = pending.mean()
+                key = f"{name}/{kind}"
+                if mean is not None and not self._pipeline.is_handed_over(key):
+                    self._pipeline.hand_over(key, mean, float(pending.weight))
+        result = self._pipeline.finish(local_ok=local_ok)
+        return result.factors if result.usable else None
 
     def _update_inverses(self, damping: float) -> None:
         factors: dict[str, Tensor] = {}

@@ -62,3 +62,8 @@ class Communicator(Protocol):
     def all_gather(self, tensor: Tensor) -> Future[list[Tensor]]:
         """Every rank's ``tensor`` (same shape on all ranks), in rank order."""
         ...
+
+    def duplicate(self) -> Communicator:
+        """A communicator over the same ranks whose collectives are ordered independently
+        of this one's (a new process group). A collective: every rank must call it."""
+        ...

@@ -123,6 +123,14 @@ class TorchDistributedCommunicator:
         gathered: Future[list[Tensor]] = work.get_future().then(lambda _done: outputs)
         return gathered
 
+    def duplicate(self) -> TorchDistributedCommunicator:
+        if self._group is None:
+            ranks = list(range(dist.get_world_size()))
+        else:
+            ranks = [dist.get_global_rank(self._group, r) for r in range(self._world_size)]
+        backend = dist.get_backend(self._group)
+        return TorchDistributedCommunicator(dist.new_group(ranks=ranks, backend=backend))
+
     def __repr__(self) -> str:
         return f"TorchDistributedCommunicator(rank={self._rank}, world_size={self._world_size})"
 

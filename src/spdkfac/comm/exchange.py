@@ -1,16 +1,19 @@
-"""The factor exchange: packs every layer's factors into buckets and all-reduces them.
+"""The factor exchange: packs factors into the buckets of a fusion plan and all-reduces them.
 
-Each rank contributes, for every registered factor slot, its local factor times its weight
-(the number of examples it averages) as a packed upper triangle, plus the weight itself,
-plus a flag saying the rank saw non-finite values. After a sum all-reduce every rank holds
-``Σ_r w_r F_r`` and ``Σ_r w_r`` and divides: the example-weighted global average, the same
-as single-process K-FAC on the concatenated batch. A rank that did not use a layer this
-step sends zeros with weight 0, so the collectives never depend on local data.
+Each rank contributes, per factor slot, its local factor times its weight (the number of
+examples it averages) as a packed upper triangle. Buckets launch strictly in plan order:
+as soon as they are complete when the plan is eager (pipelined with the forward and
+backward passes), else at :meth:`FactorExchange.finish`. ``finish`` then all-reduces one
+small tensor with every slot's weight and a flag for ranks whose gradients were not
+finite. Every rank ends with ``Σ_r w_r F_r / Σ_r w_r``: the example-weighted global
+average, the same as single-process K-FAC on the concatenated batch. A rank that did not
+use a layer sends zeros with weight 0, so the collectives never depend on local data or
+on the order hooks fire in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,23 +21,12 @@ from torch import Tensor
 from torch.futures import Future
 
 from spdkfac.comm.base import Communicator
-from spdkfac.linalg import pack_triu, packed_size, unpack_triu
+from spdkfac.comm.fusion import FusionPlan
+from spdkfac.linalg import is_finite, pack_triu, packed_size, unpack_triu
 
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "ExchangeResult", "FactorExchange", "PendingExchange"]
 
 DEFAULT_BUCKET_CAP_BYTES = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class _Segment:
-    key: str
-    dim: int
-    bucket: int
-    offset: int
-
-    @property
-    def size(self) -> int:
-        return packed_size(self.dim)
 
 
 @dataclass(frozen=True)
@@ -43,109 +35,161 @@ class ExchangeResult:
 
     Attributes:
         factors: Global example-weighted average per slot key, None when no rank had one.
-        flagged_ranks: Number of ranks that reported non-finite local values.
+        flagged_ranks: Ranks that reported non-finite gradients.
+        finite: Whether every reduced factor is finite (a NaN on any rank reaches all).
     """
 
     factors: dict[str, Tensor | None]
     flagged_ranks: int
+    finite: bool
+
+    @property
+    def usable(self) -> bool:
+        """Whether the step's factors may be absorbed."""
+        return self.flagged_ranks == 0 and self.finite
 
 
 class PendingExchange:
-    """In-flight all-reduces of one exchange; :meth:`wait` unpacks the result."""
+    """The in-flight collectives of one step; :meth:`wait` unpacks the result."""
 
-    def __init__(
-        self, futures: list[Future[Tensor]], layout: FactorExchange, buckets: list[Tensor]
-    ) -> None:
+    def __init__(self, exchange: FactorExchange, futures: list[Future[Tensor]]) -> None:
+        self._exchange = exchange
         self._futures = futures
-        self._layout = layout
-        self._buckets = buckets
 
     def wait(self) -> ExchangeResult:
-        """Block until every bucket is reduced; return the unpacked global factors."""
+        """Block until every bucket and the weights are reduced; unpack the factors."""
         for future in self._futures:
             future.wait()
-        return self._layout.unpack(self._buckets)
+        return self._exchange._unpack()
 
 
 class FactorExchange:
-    """A fixed bucket layout over factor slots, identical on every rank.
+    """Buckets of a :class:`FusionPlan` over factor slots, identical on every rank.
+
+    Use per step: :meth:`add` each slot's factor when it is final (from a hook, or at the
+    step), then :meth:`finish` once, then ``wait()`` on what it returns.
 
     Args:
-        communicator: The group to reduce over.
-        slots: ``(key, dim)`` per factor, in registration order (replicated on all ranks).
-        dtype: Dtype factors travel in.
-        bucket_cap_bytes: Largest bucket; bigger factors get a bucket of their own.
+        communicator: The group to reduce over (a dedicated one when buckets launch from
+            hooks, so they never interleave with DDP's gradient all-reduces).
+        slots: ``(key, dim)`` per factor slot.
+        plan: Which slots travel together, and when.
+        dtype: Dtype of the reduced factors.
+        comm_dtype: Dtype factors travel in (e.g. ``torch.bfloat16``); default ``dtype``.
     """
 
     def __init__(
         self,
         communicator: Communicator,
         slots: Sequence[tuple[str, int]],
+        plan: FusionPlan,
         *,
         dtype: torch.dtype = torch.float32,
-        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+        comm_dtype: torch.dtype | None = None,
     ) -> None:
-        if bucket_cap_bytes < 1:
-            raise ValueError(f"bucket_cap_bytes must be >= 1, got {bucket_cap_bytes}")
         self._communicator = communicator
+        self._dims = dict(slots)
+        self._index = {key: index for index, (key, _) in enumerate(slots)}
         self._dtype = dtype
-        self._keys = [key for key, _ in slots]
-        cap = max(1, bucket_cap_bytes // torch.empty((), dtype=dtype).element_size())
-        segments: list[_Segment] = []
-        sizes: list[int] = [0]
-        for key, dim in slots:
-            size = packed_size(dim)
-            if sizes[-1] and sizes[-1] + size > cap:
-                sizes.append(0)
-            segments.append(_Segment(key, dim, len(sizes) - 1, sizes[-1]))
-            sizes[-1] += size
-        # The weights and the non-finite flag ride at the end of the last bucket.
-        self._meta_offset = sizes[-1]
-        sizes[-1] += len(slots) + 1
-        self._segments = segments
-        self._bucket_sizes = sizes
+        self._comm_dtype = comm_dtype or dtype
+        self._weights = torch.zeros(len(slots) + 1, dtype=torch.float64, device=communicator.device)
+        self._futures: list[Future[Tensor]] = []
+        self._added: set[str] = set()
+        self.replan(plan)
+
+    @property
+    def plan(self) -> FusionPlan:
+        """The fusion plan in use."""
+        return self._plan
 
     @property
     def bucket_sizes(self) -> tuple[int, ...]:
         """Elements per bucket (one all-reduce each)."""
-        return tuple(self._bucket_sizes)
+        return tuple(buffer.numel() for buffer in self._buffers)
 
-    def start(
-        self, contributions: Mapping[str, tuple[Tensor, float]], *, flagged: bool = False
-    ) -> PendingExchange:
-        """Launch the all-reduces of this rank's contributions.
+    def replan(self, plan: FusionPlan) -> None:
+        """Switch to another plan (between steps only: every rank must do it alike)."""
+        if self._added or self._futures:
+            raise RuntimeError("replan() must not be called while a step is in flight")
+        if sorted(plan.slots) != sorted(self._dims):
+            raise ValueError("the fusion plan must cover exactly the exchange's slots")
+        self._plan = plan
+        self._location: dict[str, tuple[int, int]] = {}
+        self._buffers: list[Tensor] = []
+        for bucket_index, bucket in enumerate(plan.buckets):
+            offset = 0
+            for key in bucket:
+                self._location[key] = (bucket_index, offset)
+                offset += packed_size(self._dims[key])
+            device = self._communicator.device
+            self._buffers.append(torch.zeros(offset, dtype=self._comm_dtype, device=device))
+        self._missing = [len(bucket) for bucket in plan.buckets]
+        self._next = 0
 
-        Args:
-            contributions: Slot key → (local averaged factor, weight); missing keys send
-                zeros with weight 0.
-            flagged: This rank saw non-finite values; every rank learns the count.
+    def add(self, key: str, factor: Tensor, weight: float) -> bool:
+        """Contribute this rank's final factor for ``key`` this step.
+
+        Returns:
+            False when ``key`` was already added this step (the call is ignored).
         """
-        device = self._communicator.device
-        buckets = [
-            torch.zeros(size, dtype=self._dtype, device=device) for size in self._bucket_sizes
-        ]
-        meta = buckets[-1][self._meta_offset :]
-        for index, segment in enumerate(self._segments):
-            entry = contributions.get(segment.key)
-            if entry is None:
-                continue
-            factor, weight = entry
-            target = buckets[segment.bucket][segment.offset : segment.offset + segment.size]
-            target.copy_(pack_triu(factor)).mul_(weight)
-            meta[index] = weight
-        meta[-1] = float(flagged)
-        futures = [self._communicator.all_reduce_sum(bucket) for bucket in buckets]
-        return PendingExchange(futures, self, buckets)
+        if key in self._added:
+            return False
+        if not self._added and not self._futures:
+            self._begin()
+        self._added.add(key)
+        bucket, offset = self._location[key]
+        size = packed_size(self._dims[key])
+        target = self._buffers[bucket][offset : offset + size]
+        target.copy_(pack_triu(factor).mul_(weight) if weight != 1 else pack_triu(factor))
+        self._weights[self._index[key]] = weight
+        self._missing[bucket] -= 1
+        if self._plan.eager:
+            self._launch_ready()
+        return True
 
-    def unpack(self, buckets: list[Tensor]) -> ExchangeResult:
-        """Turn reduced buckets into per-slot weighted averages."""
-        meta = buckets[-1][self._meta_offset :]
+    def is_added(self, key: str) -> bool:
+        """Whether ``key`` was contributed this step."""
+        return key in self._added
+
+    def finish(self, *, local_ok: bool = True) -> PendingExchange:
+        """Launch every bucket not yet launched, then the weights and the flag."""
+        if not self._added and not self._futures:
+            self._begin()
+        while self._next < len(self._buffers):
+            self._launch(self._next)
+        self._weights[-1] = 0.0 if local_ok else 1.0
+        futures = [*self._futures, self._communicator.all_reduce_sum(self._weights)]
+        self._futures = []
+        self._added = set()
+        return PendingExchange(self, futures)
+
+    def _begin(self) -> None:
+        for buffer in self._buffers:
+            buffer.zero_()
+        self._weights.zero_()
+        self._missing = [len(bucket) for bucket in self._plan.buckets]
+        self._next = 0
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._buffers) and self._missing[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, index: int) -> None:
+        self._futures.append(self._communicator.all_reduce_sum(self._buffers[index]))
+        self._next = index + 1
+
+    def _unpack(self) -> ExchangeResult:
+        weights = self._weights.cpu().tolist()
         factors: dict[str, Tensor | None] = {}
-        for index, segment in enumerate(self._segments):
-            weight = float(meta[index])
+        finite = True
+        for key, (bucket, offset) in self._location.items():
+            weight = weights[self._index[key]]
             if weight <= 0:
-                factors[segment.key] = None
+                factors[key] = None
                 continue
-            packed = buckets[segment.bucket][segment.offset : segment.offset + segment.size]
-            factors[segment.key] = unpack_triu(packed.div(weight), segment.dim)
-        return ExchangeResult(factors=factors, flagged_ranks=round(float(meta[-1])))
+            dim = self._dims[key]
+            packed = self._buffers[bucket][offset : offset + packed_size(dim)]
+            factor = unpack_triu(packed.to(self._dtype).div_(weight), dim)
+            finite = finite and is_finite(factor)
+            factors[key] = factor
+        return ExchangeResult(factors=factors, flagged_ranks=round(weights[-1]), finite=finite)
