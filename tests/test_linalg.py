@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spdkfac.linalg import damped_inverse, pack_triu, packed_size, unpack_triu
+from spdkfac.linalg import InversionError, damped_inverse, pack_triu, packed_size, unpack_triu
 
 
 def _spd(dim: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -56,10 +56,10 @@ def test_damped_inverse_matches_float64_inverse(method: str, dtype: torch.dtype)
 )
 def test_cholesky_falls_back_on_non_pd_factors(factor: torch.Tensor) -> None:
     if factor.min() < 0:
-        with pytest.warns(RuntimeWarning, match="eigendecomposition"):
+        with pytest.warns(RuntimeWarning, match="100x the damping"):
             inverse = damped_inverse(factor, 0.1, "cholesky")
-        # Eigenvalues clamped at 0, then damped: (0 + 0.1)⁻¹ = 10.
-        torch.testing.assert_close(inverse, 10 * torch.eye(4))
+        # float64 and 10x damping fail (-1 + 1 = 0); 100x succeeds: (-1 + 10)⁻¹ = 1/9.
+        torch.testing.assert_close(inverse, torch.eye(4) / 9)
     else:
         inverse = damped_inverse(factor, 0.1, "cholesky")
         expected = torch.linalg.inv(factor.double() + 0.1 * torch.eye(4, dtype=torch.float64))
@@ -72,6 +72,28 @@ def test_tiny_damping_rank_deficient_is_finite() -> None:
     for method in ("cholesky", "eigen"):
         inverse = damped_inverse(factor, 1e-12, method)  # type: ignore[arg-type]
         assert torch.isfinite(inverse).all()
+
+
+def test_eigendecomposition_is_the_last_resort(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_pd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return matrix, torch.tensor(1)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", not_pd)
+    factor = _spd(5, 1)
+    with pytest.warns(RuntimeWarning, match="clamped eigendecomposition"):
+        inverse = damped_inverse(factor, 0.1)
+    expected = torch.linalg.inv(factor + 0.1 * torch.eye(5, dtype=torch.float64))
+    torch.testing.assert_close(inverse, expected)
+
+
+def test_every_fallback_failing_raises_inversion_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> object:
+        raise torch.linalg.LinAlgError("injected")
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda m: (m, torch.tensor(1)))
+    monkeypatch.setattr(torch.linalg, "eigh", broken)
+    with pytest.warns(RuntimeWarning), pytest.raises(InversionError):
+        damped_inverse(torch.eye(3), 0.1)
 
 
 def test_bfloat16_factor_is_decomposed_in_float32() -> None:

@@ -128,6 +128,8 @@ class KFACConfig:
         accumulation_steps: Forward/backward passes per ``step()`` (gradient
             accumulation). Factors are exchanged once, after the last pass; each pass's
             loss is assumed divided by ``accumulation_steps``, as in the usual recipe.
+        max_inverse_failures: Consecutive inverse updates with a failed inversion that are
+            tolerated (the previous inverse is kept); one more raises on every rank.
     """
 
     damping: FloatSchedule = 0.003
@@ -146,6 +148,7 @@ class KFACConfig:
     fusion_warmup_steps: int = 5
     factor_comm_dtype: torch.dtype | None = None
     accumulation_steps: int = 1
+    max_inverse_failures: int = 3
 
     def __post_init__(self) -> None:
         if not callable(self.damping):
@@ -193,6 +196,14 @@ class KFACConfig:
         _check_positive_float("bucket_cap_mb", self.bucket_cap_mb)
         _check_interval("fusion_warmup_steps", self.fusion_warmup_steps)
         _check_interval("accumulation_steps", self.accumulation_steps)
+        if (
+            isinstance(self.max_inverse_failures, bool)
+            or not isinstance(self.max_inverse_failures, int)
+            or self.max_inverse_failures < 0
+        ):
+            raise ValueError(
+                f"max_inverse_failures must be an int >= 0, got {self.max_inverse_failures!r}"
+            )
         if self.factor_comm_dtype not in (
             None,
             torch.float32,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from spdkfac.linalg import (
 from spdkfac.placement import EVERY_RANK, Plan
 from spdkfac.profiling import Profiler, span_name
 
-__all__ = ["BroadcastGroup", "broadcast_groups", "invert_factors"]
+__all__ = ["BroadcastGroup", "InverseOutcome", "broadcast_groups", "invert_factors"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,20 @@ def _close(owner: int, members: list[tuple[str, int]]) -> BroadcastGroup:
     return BroadcastGroup(owner, tuple(key for key, _ in members), tuple(dim for _, dim in members))
 
 
+@dataclass(frozen=True)
+class InverseOutcome:
+    """Result of an inverse phase, identical on every rank.
+
+    Attributes:
+        inverses: Factor key → damped inverse. A factor whose inversion failed on any rank
+            maps to its previous inverse, or is absent when it had none.
+        failed: Keys whose inversion failed on some rank (agreed by an all-reduce).
+    """
+
+    inverses: dict[str, Tensor]
+    failed: frozenset[str]
+
+
 def invert_factors(
     factors: Mapping[str, Tensor],
     plan: Plan,
@@ -80,9 +95,10 @@ def invert_factors(
     damping: float,
     method: InverseMethod = "cholesky",
     *,
+    previous: Mapping[str, Tensor | None] | None = None,
     min_group_elements: int = 0,
     profiler: Profiler | None = None,
-) -> dict[str, Tensor]:
+) -> InverseOutcome:
     """Compute ``(F + γI)⁻¹`` for every factor, placed as ``plan`` says.
 
     ``factors`` must be identical on every rank (global factors after the exchange). The
@@ -91,19 +107,34 @@ def invert_factors(
     its next inversion; other ranks post the receive at once. Non-communicated factors are
     inverted locally after every broadcast has been issued, overlapping the transfers.
 
-    Returns:
-        Factor key → damped inverse, the same on every rank.
+    An inversion that fails (non-finite factor, or every fallback of
+    :func:`~spdkfac.linalg.damped_inverse` failed) never skips a collective: the owner
+    still sends (zeros) and, with more than one rank, one all-reduce of per-factor failure
+    flags ends the phase, so every rank replaces the same factors by their ``previous``
+    inverse.
     """
     rank = communicator.rank
     profiler = profiler or Profiler()
+    keys = [spec.key for spec in plan.factors if spec.key in factors]
+    failed_here: set[str] = set()
 
-    def invert(key: str) -> Tensor:
+    def invert(key: str) -> Tensor | None:
         with profiler.span(span_name("inverse_compute", key)):
-            return damped_inverse(factors[key], damping, method)
+            try:
+                return damped_inverse(factors[key], damping, method)
+            except (ValueError, RuntimeError) as error:  # InversionError, LinAlgError, …
+                failed_here.add(key)
+                warnings.warn(
+                    f"spdkfac: inverting {key} failed ({error}); keeping its previous inverse",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return None
 
+    inverses: dict[str, Tensor | None] = {}
     if communicator.world_size == 1:
-        return {key: invert(key) for key in factors}
-    inverses: dict[str, Tensor] = {}
+        inverses = {key: invert(key) for key in keys}
+        return _outcome(inverses, failed_here, previous)
     pending: list[tuple[BroadcastGroup, Future[Tensor]]] = []
     for group in broadcast_groups(plan, factors, min_group_elements):
         dtype = inverse_dtype(factors[group.keys[0]].dtype)
@@ -111,7 +142,12 @@ def invert_factors(
             for key in group.keys:
                 inverses[key] = invert(key)
             with profiler.span(span_name("inverse_compute", "pack")):
-                parts = [pack_triu(inverses[key]) for key in group.keys]
+                parts = [
+                    pack_triu(inverse)
+                    if (inverse := inverses[key]) is not None
+                    else torch.zeros(packed_size(dim), dtype=dtype)
+                    for key, dim in zip(group.keys, group.dims, strict=True)
+                ]
                 buffer = torch.cat(parts).to(device=communicator.device, dtype=dtype)
         else:
             buffer = torch.empty(group.elements, dtype=dtype, device=communicator.device)
@@ -131,4 +167,25 @@ def invert_factors(
                 factors[key].device
             )
             offset += size
-    return inverses
+    failed: set[str] = set()
+    if keys:  # the keys are replicated, so every rank skips this alike
+        flags = torch.tensor(
+            [float(key in failed_here) for key in keys], device=communicator.device
+        )
+        with profiler.span(span_name("inverse_comm", "failures")):
+            agreed = communicator.all_reduce_max(flags).wait().cpu().tolist()
+        failed = {key for key, flag in zip(keys, agreed, strict=True) if flag > 0}
+    return _outcome(inverses, failed, previous)
+
+
+def _outcome(
+    inverses: Mapping[str, Tensor | None],
+    failed: set[str],
+    previous: Mapping[str, Tensor | None] | None,
+) -> InverseOutcome:
+    result: dict[str, Tensor] = {}
+    for key, inverse in inverses.items():
+        chosen = (previous or {}).get(key) if key in failed else inverse
+        if chosen is not None:
+            result[key] = chosen
+    return InverseOutcome(inverses=result, failed=frozenset(failed))

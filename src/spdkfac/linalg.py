@@ -12,6 +12,7 @@ from torch import Tensor
 __all__ = [
     "INVERSE_METHODS",
     "InverseMethod",
+    "InversionError",
     "damped_inverse",
     "inverse_dtype",
     "is_finite",
@@ -126,16 +127,21 @@ def _eigen_inverse(factor: Tensor, damping: float) -> Tensor:
     return torch.matmul(eigenvectors / eigenvalues, eigenvectors.transpose(-1, -2))
 
 
+class InversionError(RuntimeError):
+    """No fallback could invert a damped factor (the caller keeps the previous inverse)."""
+
+
 def damped_inverse(factor: Tensor, damping: float, method: InverseMethod = "cholesky") -> Tensor:
     """Compute ``(factor + damping·I)⁻¹`` of a symmetric PSD factor, never silently NaN.
 
     The damping is added to a copy; ``factor`` is not modified. Decompositions run in at
     least float32 and the result has ``factor``'s dtype when that is float32 or float64.
 
-    ``"cholesky"`` tries Cholesky in the working precision, then in float64, and finally
-    falls back to an eigendecomposition with eigenvalues clamped at zero (which is exact for
-    a PSD factor and well defined for any symmetric one). ``"eigen"`` goes straight to the
-    clamped eigendecomposition in float64 precision when the working precision fails.
+    ``"cholesky"`` falls back, with a warning, when a damped factor is not numerically
+    positive definite: Cholesky in float64, then with 10x and 100x the damping, then an
+    eigendecomposition with eigenvalues clamped at zero (exact for a PSD factor, well
+    defined for any symmetric one). ``"eigen"`` is the clamped eigendecomposition, retried
+    in float64 when the working precision fails.
 
     Args:
         factor: Symmetric ``[d, d]`` matrix.
@@ -143,10 +149,11 @@ def damped_inverse(factor: Tensor, damping: float, method: InverseMethod = "chol
         method: ``"cholesky"`` or ``"eigen"``.
 
     Returns:
-        The symmetric inverse, shape ``[d, d]``.
+        The symmetric inverse, shape ``[d, d]``, exactly symmetric and row-major.
 
     Raises:
         ValueError: On a non-finite factor, a non-positive damping or an unknown method.
+        InversionError: When every fallback failed.
     """
     if method not in INVERSE_METHODS:
         raise ValueError(f"inverse_method must be one of {INVERSE_METHODS}, got {method!r}")
@@ -159,20 +166,31 @@ def damped_inverse(factor: Tensor, damping: float, method: InverseMethod = "chol
     work = factor.to(out_dtype)
     if method == "cholesky":
         inverse = _cholesky_inverse(_add_diagonal(work, damping))
-        if inverse is None and work.dtype != torch.float64:
-            inverse = _cholesky_inverse(_add_diagonal(work.double(), damping))
         if inverse is not None:
-            return inverse.to(out_dtype)
+            return inverse
+        wide = work.double()
+        for boost in (1.0, 10.0, 100.0):
+            inverse = _cholesky_inverse(_add_diagonal(wide, damping * boost))
+            if inverse is not None:
+                if boost > 1.0:
+                    warnings.warn(
+                        f"Cholesky failed on a damped factor (not positive definite); "
+                        f"inverted it with {boost:g}x the damping",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                return inverse.to(out_dtype)
         warnings.warn(
-            "Cholesky failed on a damped factor (not positive definite); using a clamped "
+            "Cholesky failed on a damped factor even with 100x the damping; using a clamped "
             "eigendecomposition instead",
             RuntimeWarning,
             stacklevel=2,
         )
-    try:
-        inverse = _eigen_inverse(work, damping)
-    except RuntimeError:  # torch.linalg.LinAlgError: eigh did not converge
-        inverse = _eigen_inverse(work.double(), damping)
-    if not is_finite(inverse) and work.dtype != torch.float64:
-        inverse = _eigen_inverse(work.double(), damping)
-    return symmetrize(inverse).to(out_dtype)
+    for attempt in (work, work.double()):
+        try:
+            inverse = _eigen_inverse(attempt, damping)
+        except RuntimeError:  # torch.linalg.LinAlgError: eigh did not converge
+            continue
+        if is_finite(inverse):
+            return symmetrize(inverse).to(out_dtype)
+    raise InversionError(f"could not invert a damped {tuple(factor.shape)} factor")

@@ -87,6 +87,10 @@ class KFACPreconditioner:
         factor_comm_dtype: Dtype factors travel in (``torch.bfloat16`` halves the bytes).
         bucket_cap_mb: Bucket cap of the ``threshold`` and ``after-backward`` policies.
         fusion_warmup_steps: Factor steps measured before the ``optimal`` plan is made.
+        max_inverse_failures: Consecutive inverse updates with a failed inversion that
+            are tolerated (each keeps the previous inverse); one more raises on every rank.
+        grad_scaler: The ``torch.amp.GradScaler`` scaling the loss, if any: G factors are
+            unscaled by it. Call ``scaler.unscale_(optimizer)`` before :meth:`step`.
         profile: Record ``kfac/<phase>/<layer>`` spans in :attr:`profiler` (off: no cost).
 
     Raises:
@@ -117,6 +121,8 @@ class KFACPreconditioner:
         factor_comm_dtype: torch.dtype | None = None,
         bucket_cap_mb: float = 64.0,
         fusion_warmup_steps: int = 5,
+        max_inverse_failures: int = 3,
+        grad_scaler: torch.amp.GradScaler | None = None,
         profile: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -145,6 +151,7 @@ class KFACPreconditioner:
             factor_comm_dtype=factor_comm_dtype,
             bucket_cap_mb=bucket_cap_mb,
             fusion_warmup_steps=fusion_warmup_steps,
+            max_inverse_failures=max_inverse_failures,
         )
         self._communicator: Communicator = (
             process_group
@@ -170,6 +177,9 @@ class KFACPreconditioner:
         self._layers = layers
         self._forward_order: list[str] = []
         self._warned_extra_pass = False
+        self._inverse_failures = 0
+        self._grad_scaler = grad_scaler
+        self._grad_scale: float | None = None
         self._step = 0
         self._skipped_steps = 0
         specs = [
@@ -270,6 +280,10 @@ class KFACPreconditioner:
             _no_autocast(grad),
         ):
             factor, weight = state.adapter.g_factor(module, grad.to(state.factor_dtype))
+            if self._grad_scaler is not None:
+                if self._grad_scale is None:  # read once per step: it syncs on CUDA
+                    self._grad_scale = float(self._grad_scaler.get_scale())
+                factor.div_(self._grad_scale * self._grad_scale)
             steps = self.config.accumulation_steps
             if steps > 1:
                 # δ = B·g assumes the loss is this pass's mean; with the loss divided by
@@ -329,6 +343,7 @@ class KFACPreconditioner:
     def _step_phases(self) -> bool:
         step = self._step
         self._step += 1
+        self._grad_scale = None
         gradients = {
             name: grad
             for name, state in self._layers.items()
@@ -337,6 +352,10 @@ class KFACPreconditioner:
         usable = _all_finite(gradients.values())
         if self.config.is_factor_step(step):
             usable = self._update_factors(local_ok=usable) and usable
+        elif self._communicator.world_size > 1:
+            # Gradients need not be replicated (no DDP): skip on every rank or on none.
+            flag = torch.tensor([0.0 if usable else 1.0], device=self._communicator.device)
+            usable = float(self._communicator.all_reduce_max(flag).wait()) == 0.0
         if self.config.is_inverse_step(step):
             self._update_inverses(self.config.damping_at(step))
         if not usable:
@@ -419,19 +438,33 @@ class KFACPreconditioner:
                 factors[f"{name}/A"] = state.a_factor
                 factors[f"{name}/G"] = state.g_factor
         method: InverseMethod = "eigen" if self.config.inverse_method == "eigen" else "cholesky"
-        inverses = invert_factors(
+        previous: dict[str, Tensor | None] = {}
+        for name, state in self._layers.items():
+            previous[f"{name}/A"], previous[f"{name}/G"] = state.a_inverse, state.g_inverse
+        outcome = invert_factors(
             factors,
             self._plan,
             self._communicator,
             damping,
             method,
+            previous=previous,
             min_group_elements=self._broadcast_group_elements,
             profiler=self.profiler,
         )
         for name, state in self._layers.items():
-            if f"{name}/A" in inverses:
-                state.a_inverse = inverses[f"{name}/A"]
-                state.g_inverse = inverses[f"{name}/G"]
+            if f"{name}/A" in factors:
+                # A factor that failed with no previous inverse leaves the layer on its
+                # plain gradient until an inversion succeeds.
+                state.a_inverse = outcome.inverses.get(f"{name}/A")
+                state.g_inverse = outcome.inverses.get(f"{name}/G")
+        # The failure set is agreed by every rank, so this counter is replicated state.
+        self._inverse_failures = self._inverse_failures + 1 if outcome.failed else 0
+        if self._inverse_failures > self.config.max_inverse_failures:
+            raise RuntimeError(
+                f"spdkfac: inverting factors failed on {self._inverse_failures} consecutive "
+                f"inverse updates (max_inverse_failures={self.config.max_inverse_failures}); "
+                f"last failures: {sorted(outcome.failed)}"
+            )
 
     def _kl_clip_scale(
         self, gradients: Mapping[str, Tensor], preconditioned: Mapping[str, Tensor], step: int
