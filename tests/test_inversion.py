@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from spdkfac.comm import LocalCommunicator
@@ -56,7 +57,21 @@ def test_local_inverse_phase_inverts_everything() -> None:
     for spec in plan.factors:
         x = torch.randn(spec.dim + 3, spec.dim, generator=torch.Generator().manual_seed(spec.dim))
         factors[spec.key] = x.T @ x
-    inverses = invert_factors(factors, plan, LocalCommunicator(), 0.1)
-    assert set(inverses) == set(factors)
+    outcome = invert_factors(factors, plan, LocalCommunicator(), 0.1)
+    assert set(outcome.inverses) == set(factors) and not outcome.failed
     for key, factor in factors.items():
-        torch.testing.assert_close(inverses[key], damped_inverse(factor, 0.1))
+        torch.testing.assert_close(outcome.inverses[key], damped_inverse(factor, 0.1))
+
+
+def test_a_failed_inversion_keeps_the_previous_inverse() -> None:
+    plan = _plan()
+    factors = {spec.key: torch.eye(spec.dim) for spec in plan.factors}
+    factors["l0/A"] = torch.full((10, 10), float("nan"))
+    factors["l1/A"] = torch.full((20, 20), float("inf"))
+    previous = {"l0/A": torch.ones(10, 10), "l1/A": None}
+    with pytest.warns(RuntimeWarning, match="keeping its previous inverse"):
+        outcome = invert_factors(factors, plan, LocalCommunicator(), 0.5, previous=previous)
+    assert outcome.failed == {"l0/A", "l1/A"}
+    assert torch.equal(outcome.inverses["l0/A"], torch.ones(10, 10))
+    assert "l1/A" not in outcome.inverses  # no previous: the layer stays unpreconditioned
+    torch.testing.assert_close(outcome.inverses["l2/A"], torch.eye(30) / 1.5)
