@@ -1,7 +1,14 @@
-"""Datasets: an IDX reader and the Fashion-MNIST loader."""
+"""Datasets and augmentations: IDX, Fashion-MNIST, CIFAR-10, image folders, batch transforms."""
 
 from __future__ import annotations
 
+from spdkfac.data.augment import (
+    RunningMixup,
+    random_crop_flip,
+    random_erasing,
+    soft_cross_entropy,
+)
+from spdkfac.data.cifar10 import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, load_cifar10
 from spdkfac.data.fashion_mnist import (
     DEFAULT_FASHION_MNIST_DIR,
     FASHION_MNIST_CLASSES,
@@ -10,12 +17,30 @@ from spdkfac.data.fashion_mnist import (
     load_fashion_mnist,
 )
 from spdkfac.data.idx import read_idx
+from spdkfac.data.imagefolder import (
+    IMAGE_EXTENSIONS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    load_image_folder,
+)
 
 __all__ = [
+    "CIFAR10_CLASSES",
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
     "DEFAULT_FASHION_MNIST_DIR",
     "FASHION_MNIST_CLASSES",
     "FASHION_MNIST_MEAN",
     "FASHION_MNIST_STD",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "IMAGE_EXTENSIONS",
+    "RunningMixup",
+    "load_cifar10",
     "load_fashion_mnist",
+    "load_image_folder",
+    "random_crop_flip",
+    "random_erasing",
     "read_idx",
+    "soft_cross_entropy",
 ]
