@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,16 +27,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netns_cluster import available, emulated_cluster
+from spdkfac.bench.launch import free_port
+from spdkfac.bench.netns import available, emulated_cluster
 
 STRATEGIES = ("d-kfac", "mpd-kfac", "spd-kfac")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- worker side
@@ -154,7 +147,7 @@ def _launch(args: argparse.Namespace, link: str) -> dict[str, Any]:
     ]  # fmt: skip
     base_env = {"OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "PYTHONPATH": os.pathsep.join(sys.path)}
     if link == "loopback":
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, **base_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs = [subprocess.Popen(worker_argv, env={**env, "RANK": str(r)}) for r in range(2)]
         _wait(procs, args.timeout)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from spdkfac.models import MODEL_NAMES, CifarResNet, build_model
+from spdkfac.models import MODEL_NAMES, CifarResNet, build_model, wide_resnet
 
 __all__: list[str] = []
 
@@ -56,6 +56,29 @@ def test_small_model_parameter_counts() -> None:
     assert _num_params(build_model("cnn")) == 320 + 18_496 + 36_928 + 73_856 + 1_290
     # The 1-channel ResNet-20 stem has 2*16*9 = 288 fewer weights than the CIFAR one.
     assert _num_params(build_model("resnet20", in_channels=1)) == 272_474 - 288
+
+
+def test_wide_resnet_parameter_count() -> None:
+    # WRN-16-4: two blocks per stage of 64/128/256 channels, 16-channel stem, 3x32x32 input,
+    # 10 classes; every stage's first block has a 1x1 projection (16->64 changes width):
+    #   stem:          3*16*9 = 432, BN 32                                        ->       464
+    #   stage1 first:  16*64*9 = 9,216 + 64*64*9 = 36,864, 2 BN * 128,
+    #                  1x1 16*64 = 1,024 + BN 128                                 ->    47,488
+    #   stage1 other:  2 * 36,864 + 2 BN * 128                                    ->    73,984
+    #   stage2 first:  64*128*9 = 73,728 + 128*128*9 = 147,456, 2 BN * 256,
+    #                  1x1 64*128 = 8,192 + BN 256                                ->   230,144
+    #   stage2 other:  2 * 147,456 + 2 BN * 256                                   ->   295,424
+    #   stage3 first:  128*256*9 = 294,912 + 256*256*9 = 589,824, 2 BN * 512,
+    #                  1x1 128*256 = 32,768 + BN 512                              ->   919,040
+    #   stage3 other:  2 * 589,824 + 2 BN * 512                                   -> 1,180,672
+    #   fc:            256*10 + 10                                                ->     2,570
+    # total 2,749,786; its largest K-FAC factor is A of a 256-channel 3x3 conv: 2304.
+    model = build_model("wrn16-4", num_classes=10, in_channels=3, input_size=32)
+    assert _num_params(model) == 2_749_786
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert max(m.in_channels * m.kernel_size[0] * m.kernel_size[1] for m in convs) == 2304
+    with pytest.raises(ValueError, match="6n\\+4"):
+        wide_resnet(14, 4)
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

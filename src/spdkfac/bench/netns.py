@@ -1,18 +1,18 @@
-"""An emulated cluster on one machine: one network namespace per rank, a bandwidth cap.
-
-Used by the benchmarks to launch each rank inside its own namespace, joined by veth pairs
-to a bridge, with ``tc tbf`` capping every rank's link (see the project's CLUSTER.md). Needs
-root; everything it creates carries a per-run prefix and is torn down on exit, failure
-included.
-"""
+"""An emulated cluster on one machine: one network namespace per rank, a ``tc`` bandwidth cap."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+__all__ = ["Cluster", "available", "check_rate", "emulated_cluster"]
+
+_RATE = re.compile(r"^\d+(\.\d+)?([kmg]?bit|[kmg]?bps)$", re.IGNORECASE)
 
 
 def _ip(*args: str) -> None:
@@ -21,28 +21,49 @@ def _ip(*args: str) -> None:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Namespaces, interfaces and addresses of an emulated cluster."""
+    """Namespaces, interfaces and addresses of an emulated cluster, one of each per rank."""
 
     namespaces: tuple[str, ...]
     interfaces: tuple[str, ...]
     addresses: tuple[str, ...]
 
-    def command(self, rank: int, argv: Sequence[str], env: dict[str, str]) -> list[str]:
-        """``argv`` wrapped to run inside rank ``rank``'s namespace with ``env``."""
+    def command(self, rank: int, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+        """``argv`` wrapped to run inside rank ``rank``'s namespace with ``env`` added."""
         assignments = [f"{key}={value}" for key, value in env.items()]
         return ["ip", "netns", "exec", self.namespaces[rank], "env", *assignments, *argv]
 
 
 def available() -> bool:
-    """Whether this process may create namespaces (root and iproute2 present)."""
-    return (
-        os.geteuid() == 0 and subprocess.run(["which", "ip"], capture_output=True).returncode == 0
-    )
+    """Whether this process may create namespaces (root, with ``ip`` and ``tc`` present)."""
+    return os.geteuid() == 0 and all(shutil.which(tool) for tool in ("ip", "tc"))
+
+
+def check_rate(rate: str) -> str:
+    """``rate`` if ``tc`` understands it as a bandwidth (``1gbit``, ``100mbit``, ``500kbit``).
+
+    Raises:
+        ValueError: Naming the bad value.
+    """
+    if not _RATE.match(rate):
+        raise ValueError(f"link rate must look like 1gbit, 100mbit or 500kbit, got {rate!r}")
+    return rate
 
 
 @contextmanager
 def emulated_cluster(ranks: int, rate: str = "1gbit") -> Iterator[Cluster]:
-    """Create ``ranks`` namespaces on a bridge, each link capped at ``rate`` by ``tbf``."""
+    """Create ``ranks`` namespaces on a bridge, each link capped at ``rate`` by ``tbf``.
+
+    Each rank runs inside its own namespace, joined by a veth pair to a bridge in one more
+    namespace (see the project's CLUSTER.md). Everything created carries a per-process
+    prefix and is torn down on exit, failure included.
+
+    Raises:
+        PermissionError: Without root or iproute2.
+        ValueError: On a bad ``ranks`` or ``rate``.
+    """
+    if ranks < 1 or ranks > 250:
+        raise ValueError(f"ranks must be in [1, 250], got {ranks}")
+    check_rate(rate)
     if not available():
         raise PermissionError("the emulated cluster needs root and iproute2 (ip, tc)")
     tag = f"kfb{os.getpid() % 100000}"
@@ -78,5 +99,6 @@ def emulated_cluster(ranks: int, rate: str = "1gbit") -> Iterator[Cluster]:
             )  # fmt: skip
         yield Cluster(namespaces, interfaces, addresses)
     finally:
+        # Deleting a namespace removes its veth ends (and so their peers) with it.
         for namespace in reversed(created):
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)

@@ -7,7 +7,6 @@ Runs alone (inverse and factor models; communication for world size 1 is free) o
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from spdkfac.calibrate import calibrate, format_report, plot_calibration
+from spdkfac.cli.arguments import positive_float, positive_int
 from spdkfac.comm import destroy_distributed, init_distributed
 from spdkfac.linalg import INVERSE_METHODS
 from spdkfac.models import MODEL_NAMES, build_model
@@ -66,26 +66,6 @@ def _empty(text: str) -> tuple[int, ...]:
     raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
 def add_parser(verbs: Any) -> None:
     """Register the ``calibrate`` verb on an ``argparse`` sub-parser collection."""
     parser: argparse.ArgumentParser = verbs.add_parser(
@@ -110,7 +90,7 @@ def add_parser(verbs: Any) -> None:
     parser.add_argument("--no-png", action="store_true", help="do not draw the plot")
     parser.add_argument(
         "--max-seconds",
-        type=_positive_float,
+        type=positive_float,
         default=60.0,
         help="time budget for all measurements (default: %(default)s)",
     )
@@ -127,10 +107,10 @@ def add_parser(verbs: Any) -> None:
         help="comma-separated message sizes, e.g. 4KB,1MB (default: 4KB..64MB, powers of 4)",
     )
     parser.add_argument(
-        "--repeats", type=_positive_int, default=5, help="timed repeats per item (default: 5)"
+        "--repeats", type=positive_int, default=5, help="timed repeats per item (default: 5)"
     )
     parser.add_argument(
-        "--threads", type=_positive_int, default=1, help="torch threads per rank (default: 1)"
+        "--threads", type=positive_int, default=1, help="torch threads per rank (default: 1)"
     )
     parser.add_argument(
         "--method", choices=INVERSE_METHODS, default="cholesky", help="inverse method"
@@ -139,13 +119,13 @@ def add_parser(verbs: Any) -> None:
         "--model", choices=MODEL_NAMES, default=None, help="also time this model's factors"
     )
     parser.add_argument(
-        "--batch-size", type=_positive_int, default=32, help="batch for --model (default: 32)"
+        "--batch-size", type=positive_int, default=32, help="batch for --model (default: 32)"
     )
     parser.add_argument(
-        "--input-size", type=_positive_int, default=32, help="image side for --model"
+        "--input-size", type=positive_int, default=32, help="image side for --model"
     )
     parser.add_argument(
-        "--in-channels", type=_positive_int, default=3, help="image channels for --model"
+        "--in-channels", type=positive_int, default=3, help="image channels for --model"
     )
     parser.set_defaults(run=run)
 

@@ -6,7 +6,6 @@ Runs on one process, or data parallel under ``torchrun`` (``make demo`` uses two
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
+from spdkfac.cli.arguments import positive_float, positive_int
 from spdkfac.cli.progress import ProgressBar
 from spdkfac.comm import Communicator, destroy_distributed, init_distributed
 from spdkfac.config import STRATEGIES
@@ -57,52 +57,34 @@ def add_parser(verbs: Any) -> None:
         help="directory with the Fashion-MNIST IDX files (default: %(default)s)",
     )
     parser.add_argument("--model", choices=MODEL_NAMES, default="cnn", help="built-in model")
-    parser.add_argument("--epochs", type=_positive_int, default=2, help="epochs per optimizer")
-    parser.add_argument(
-        "--batch-size", type=_positive_int, default=64, help="batch size per worker"
-    )
+    parser.add_argument("--epochs", type=positive_int, default=2, help="epochs per optimizer")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="batch size per worker")
     parser.add_argument(
         "--strategy", choices=tuple(STRATEGIES), default="spd-kfac", help="distributed K-FAC"
     )
-    parser.add_argument("--sgd-lr", type=_positive_float, default=0.05, help="SGD learning rate")
+    parser.add_argument("--sgd-lr", type=positive_float, default=0.05, help="SGD learning rate")
     parser.add_argument(
-        "--kfac-lr", type=_positive_float, default=0.05, help="learning rate with K-FAC"
+        "--kfac-lr", type=positive_float, default=0.05, help="learning rate with K-FAC"
     )
     # This CNN has no BatchNorm; with DESIGN.md's factor scaling its G factors are small, so
     # the damping that keeps momentum SGD + K-FAC stable is far above the library default.
-    parser.add_argument("--damping", type=_positive_float, default=0.3, help="K-FAC damping")
-    parser.add_argument("--kl-clip", type=_positive_float, default=1e-3, help="K-FAC KL clip")
+    parser.add_argument("--damping", type=positive_float, default=0.3, help="K-FAC damping")
+    parser.add_argument("--kl-clip", type=positive_float, default=1e-3, help="K-FAC KL clip")
     parser.add_argument(
-        "--factor-update-steps", type=_positive_int, default=10, help="K-FAC factor interval"
+        "--factor-update-steps", type=positive_int, default=10, help="K-FAC factor interval"
     )
     parser.add_argument(
-        "--inv-update-steps", type=_positive_int, default=10, help="K-FAC inverse interval"
+        "--inv-update-steps", type=positive_int, default=10, help="K-FAC inverse interval"
     )
     parser.add_argument(
         "--train-limit",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="use only the first N training images (default: all 60,000)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed")
-    parser.add_argument(
-        "--threads", type=_positive_int, default=None, help="torch intra-op threads"
-    )
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     parser.set_defaults(run=run)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def _evaluate(model: nn.Module, dataset: TensorDataset, comm: Communicator) -> float:

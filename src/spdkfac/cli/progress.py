@@ -18,6 +18,9 @@ class ProgressBar:
         enabled: False on non-zero ranks.
         stream: Where to draw (default ``sys.stderr``).
         interval: Minimum seconds between redraws.
+        width: Characters of the bar.
+        live: Redraw in place; default: when ``stream`` is a terminal (a launcher that
+            pipes a worker's stderr to a terminal passes True).
     """
 
     def __init__(
@@ -29,6 +32,7 @@ class ProgressBar:
         stream: TextIO | None = None,
         interval: float = 0.2,
         width: int = 30,
+        live: bool | None = None,
     ) -> None:
         self.total = max(total, 1)
         self.label = label
@@ -38,7 +42,7 @@ class ProgressBar:
         self.width = width
         self._last = 0.0
         # Redrawing with \r only makes sense on a terminal; elsewhere print the final line.
-        self._live = enabled and self.stream.isatty()
+        self._live = enabled and (self.stream.isatty() if live is None else live)
 
     def update(self, done: int, suffix: str = "") -> None:
         """Show ``done`` of ``total`` steps with an optional suffix."""

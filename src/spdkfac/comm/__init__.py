@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from spdkfac.comm.base import Communicator, completed
+from spdkfac.comm.ddp_hooks import BucketLaunches, timed_allreduce_hook
 from spdkfac.comm.distributed import (
     TorchDistributedCommunicator,
     barrier,
@@ -15,6 +16,7 @@ from spdkfac.comm.gather import gather_events
 from spdkfac.comm.local import LocalCommunicator
 
 __all__ = [
+    "BucketLaunches",
     "Communicator",
     "LocalCommunicator",
     "TorchDistributedCommunicator",
@@ -25,4 +27,5 @@ __all__ = [
     "init_distributed",
     "is_distributed",
     "make_communicator",
+    "timed_allreduce_hook",
 ]

@@ -1,6 +1,7 @@
 """The ``torch.distributed`` communicator (gloo, NCCL, any process group) and process set-up.
 
-This is the only module of the package that touches ``torch.distributed``.
+With :mod:`spdkfac.comm.ddp_hooks` (DDP communication hooks), the only module of the
+package that touches ``torch.distributed``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Model zoo: an MLP, a small CNN and CIFAR ResNets, built by name."""
+"""Model zoo: an MLP, a small CNN, CIFAR ResNets and a wide ResNet, built by name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from torch import nn
 
 from spdkfac.models.cnn import SmallCNN
 from spdkfac.models.mlp import MLP
-from spdkfac.models.resnet import BasicBlock, CifarResNet, resnet20, resnet32, resnet56
+from spdkfac.models.resnet import (
+    BasicBlock,
+    CifarResNet,
+    resnet20,
+    resnet32,
+    resnet56,
+    wide_resnet,
+)
 
 __all__ = [
     "MLP",
@@ -21,6 +28,7 @@ __all__ = [
     "resnet20",
     "resnet32",
     "resnet56",
+    "wide_resnet",
 ]
 
 _Builder = Callable[[int, int, int], nn.Module]
@@ -40,6 +48,9 @@ _BUILDERS: dict[str, _Builder] = {
     ),
     "resnet56": lambda classes, channels, _size: resnet56(
         num_classes=classes, in_channels=channels
+    ),
+    "wrn16-4": lambda classes, channels, _size: wide_resnet(
+        16, 4, num_classes=classes, in_channels=channels
     ),
 }
 

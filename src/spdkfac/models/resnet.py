@@ -1,10 +1,10 @@
-"""CIFAR-style residual networks (He et al., 2016) of depth 6n+2."""
+"""CIFAR-style residual networks (He et al., 2016) of depth 6n+2, and their wide variants."""
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["BasicBlock", "CifarResNet", "resnet20", "resnet32", "resnet56"]
+__all__ = ["BasicBlock", "CifarResNet", "resnet20", "resnet32", "resnet56", "wide_resnet"]
 
 
 class BasicBlock(nn.Module):
@@ -53,29 +53,38 @@ class CifarResNet(nn.Module):
     """ResNet for small images: 3x3 stem, three stages of 16/32/64 channels, GAP, linear.
 
     Stages two and three halve the resolution in their first block. Global average pooling
-    makes the network work for any input size of at least 4 (e.g. 28x28 or 32x32).
+    makes the network work for any input size of at least 4 (e.g. 28x28 or 32x32). A
+    ``width`` k > 1 multiplies the stage channels (16k/32k/64k) while the stem keeps 16,
+    as in wide ResNets; the first block then needs a projection shortcut.
 
     Args:
         depth: Total number of weighted layers, ``6 * n + 2`` for ``n`` blocks per stage.
         num_classes: Number of output logits.
         in_channels: Channels of the input images.
+        width: Channel multiplier of the three stages (an int >= 1).
     """
 
-    def __init__(self, depth: int, *, num_classes: int = 10, in_channels: int = 3) -> None:
+    def __init__(
+        self, depth: int, *, num_classes: int = 10, in_channels: int = 3, width: int = 1
+    ) -> None:
         super().__init__()
         if depth < 8 or (depth - 2) % 6 != 0:
             raise ValueError(f"depth must be 6n+2 with n >= 1 (e.g. 20, 32, 56), got {depth}")
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"width must be an int >= 1, got {width!r}")
         blocks_per_stage = (depth - 2) // 6
+        channels = (16 * width, 32 * width, 64 * width)
         self.depth = depth
+        self.width = width
         self.conv1 = nn.Conv2d(in_channels, 16, kernel_size=3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(16)
         self.relu = nn.ReLU(inplace=True)
-        self.layer1 = _make_stage(16, 16, blocks_per_stage, stride=1)
-        self.layer2 = _make_stage(16, 32, blocks_per_stage, stride=2)
-        self.layer3 = _make_stage(32, 64, blocks_per_stage, stride=2)
+        self.layer1 = _make_stage(16, channels[0], blocks_per_stage, stride=1)
+        self.layer2 = _make_stage(channels[0], channels[1], blocks_per_stage, stride=2)
+        self.layer3 = _make_stage(channels[1], channels[2], blocks_per_stage, stride=2)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.flatten = nn.Flatten()
-        self.fc = nn.Linear(64, num_classes)
+        self.fc = nn.Linear(channels[2], num_classes)
         _init_weights(self)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -115,3 +124,23 @@ def resnet32(*, num_classes: int = 10, in_channels: int = 3) -> CifarResNet:
 def resnet56(*, num_classes: int = 10, in_channels: int = 3) -> CifarResNet:
     """Build ResNet-56 (9 blocks per stage)."""
     return CifarResNet(56, num_classes=num_classes, in_channels=in_channels)
+
+
+def wide_resnet(
+    depth: int = 16, width: int = 4, *, num_classes: int = 10, in_channels: int = 3
+) -> CifarResNet:
+    """Build WRN-``depth``-``width`` (Zagoruyko & Komodakis, 2016) on :class:`CifarResNet`.
+
+    WRN names count depth as ``6n + 4`` for ``n`` blocks per stage, so WRN-16-4 has two
+    blocks per stage of 64/128/256 channels (a 16-channel stem) and K-FAC factors up to
+    256·3·3 = 2304. The blocks are this module's post-activation ones, without dropout.
+
+    Raises:
+        ValueError: When ``depth`` is not ``6n + 4`` with n >= 1 or ``width`` < 1.
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 10 or (depth - 4) % 6:
+        raise ValueError(f"wide ResNet depth must be 6n+4 with n >= 1 (e.g. 16, 28), got {depth}")
+    blocks = (depth - 4) // 6
+    return CifarResNet(
+        6 * blocks + 2, num_classes=num_classes, in_channels=in_channels, width=width
+    )

@@ -1,0 +1,101 @@
+"""The cost model a benchmark plans with: a calibration file, or fitted on the live link."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from spdkfac.calibrate import measure_collectives, measure_inverses
+from spdkfac.calibrate_timing import median_seconds
+from spdkfac.comm import Communicator
+from spdkfac.costmodel import AlphaBetaModel, CostModel, PolynomialInverseModel
+from spdkfac.discovery import discover_layers
+from spdkfac.linalg import is_finite, packed_size, unpack_triu
+
+__all__ = [
+    "MESSAGE_SIZES",
+    "describe_cost_model",
+    "factor_dims",
+    "fit_live_cost_model",
+    "unpack_seconds",
+]
+
+#: Message sizes (bytes) timed on the live link: start-up dominated to bandwidth dominated.
+MESSAGE_SIZES: tuple[int, ...] = (4 * 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+
+
+def _all_dims(model: nn.Module) -> list[int]:
+    with warnings.catch_warnings():  # the preconditioners warn about skipped layers
+        warnings.simplefilter("ignore")
+        layers = discover_layers(model, ())
+    return [d for state in layers.values() for d in (state.a_dim, state.g_dim)]
+
+
+def factor_dims(model: nn.Module) -> list[int]:
+    """The distinct dimensions of the model's K-FAC factors, ascending."""
+    return sorted(set(_all_dims(model)))
+
+
+def unpack_seconds(model: nn.Module, repeats: int = 3) -> float:
+    """Host time the factor exchange spends per step rebuilding the model's factors.
+
+    After the all-reduce, every factor's packed triangle is scaled, unpacked to a full
+    matrix and checked for finiteness inside the exchange's ``wait()``, so the profiler
+    counts that compute as ``FactorComm``; no fusion policy can hide it. This times the
+    same operations once per factor (median of ``repeats``), for the report to subtract.
+    """
+    per_dim: dict[int, float] = {}
+    cpu = torch.device("cpu")
+    for dim in sorted(set(_all_dims(model))):
+        packed = torch.ones(packed_size(dim))
+
+        def rebuild(packed: torch.Tensor = packed, dim: int = dim) -> None:
+            is_finite(unpack_triu(packed.div_(1.0), dim))
+
+        per_dim[dim] = median_seconds(rebuild, repeats, cpu)
+    return sum(per_dim[dim] for dim in _all_dims(model))
+
+
+def fit_live_cost_model(
+    comm: Communicator,
+    dims: Sequence[int],
+    *,
+    repeats: int = 5,
+    sizes: Sequence[int] = MESSAGE_SIZES,
+) -> CostModel:
+    """Inverse times fitted on ``dims`` and broadcast / all-reduce α-β fitted on this link.
+
+    A collective: every rank must call it. Inversions are timed on every rank at once, as
+    in training; each rank fits its own model, and the preconditioner plans with rank 0's.
+    With one rank, communication costs are zero.
+    """
+    inverse = PolynomialInverseModel.fit(measure_inverses(dims, repeats, damping=3e-3))
+    if comm.world_size == 1:
+        zero = AlphaBetaModel(alpha=0.0, beta=0.0)
+        return CostModel(inverse=inverse, broadcast=zero, allreduce=zero)
+    samples = measure_collectives(comm, sizes, repeats)
+    return CostModel(
+        inverse=inverse,
+        broadcast=AlphaBetaModel.fit(samples.broadcast),
+        allreduce=AlphaBetaModel.fit(samples.allreduce),
+    )
+
+
+def _alpha_beta(model: AlphaBetaModel) -> str:
+    bandwidth = f"{1e-9 / model.beta:.3f} GB/s" if model.beta > 0 else "inf"
+    return f"α {1e3 * model.alpha:.3f} ms, β {1e9 * model.beta:.3f} ns/B ({bandwidth})"
+
+
+def describe_cost_model(model: CostModel, source: str) -> dict[str, Any]:
+    """The numbers the report prints (rank 0's model, the one every rank plans with)."""
+    inverse = model.inverse
+    return {
+        "source": source,
+        "inverse": f"t(d) = {inverse.c0:.3g} + {inverse.c2:.3g}·d² + {inverse.c3:.3g}·d³ s",
+        "broadcast": _alpha_beta(model.broadcast),
+        "all-reduce": _alpha_beta(model.allreduce),
+    }

@@ -1,0 +1,283 @@
+"""The benchmark's outputs: ``report.md``, the Fig. 9 style ``breakdown.png``, Chrome traces."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from spdkfac.bench.results import (
+    BenchResults,
+    exposed_factor_comm,
+    iteration_stats,
+    ratio_to,
+)
+from spdkfac.bench.variants import VARIANTS
+from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, chrome_trace
+
+__all__ = [
+    "format_report",
+    "last_iterations",
+    "trace_filename",
+    "write_breakdown_png",
+    "write_outputs",
+    "write_traces",
+]
+
+_FIG10_GOAL_PERCENT = 50.0
+_SPEEDUP_GOAL = 1.2
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f}"
+
+
+def _maybe(value: float | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def _percent(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}%"
+
+
+def trace_filename(name: str) -> str:
+    """``traces/`` file name of a variant (``:`` is not portable in file names)."""
+    return name.replace(":", "_") + ".json"
+
+
+def _header(results: BenchResults) -> list[str]:
+    settings, machine, costs = results.settings, results.machine, results.cost_model
+    lines = [
+        f"# spdkfac bench: {results.model}, {results.world_size} rank(s) x batch "
+        f"{results.batch_size}, link {results.link}",
+        "",
+        f"command: `{results.command}`",
+        "",
+    ]
+    if machine:
+        lines.append("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + "  ")
+    lines.append(f"link: {results.link}  ")
+    if settings:
+        lines.append("settings: " + ", ".join(f"{k} {v}" for k, v in settings.items()) + "  ")
+    if costs:
+        lines.append("cost model: " + ", ".join(f"{k} {v}" for k, v in costs.items()))
+    lines += [
+        "",
+        "Iteration time is, per iteration, the slowest rank's wall time (zero_grad, forward, "
+        "backward, K-FAC step, optimizer step); warm-up iterations are left out of every "
+        "number. Breakdown categories are those of the SPD-KFAC paper's Fig. 9, from the "
+        "profiler's spans, each moment counted once (communication = time spent waiting). "
+        "GradComm is measured from the launch of DDP's last gradient bucket (a timed "
+        "communication hook) to the return of backward().",
+        "",
+    ]
+    return lines
+
+
+def _time_table(results: BenchResults) -> list[str]:
+    lines = [
+        "## Iteration time",
+        "",
+        "| variant | median ms/iter | IQR ms | n | ratio to SGD | ratio to D-KFAC "
+        "| speed-up over D-KFAC |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results.variants:
+        stats = iteration_stats(result)
+        to_dkfac = ratio_to(results, result.name, "d-kfac")
+        lines.append(
+            f"| {result.name} | {_ms(stats.median)} | {_ms(stats.q1)}–{_ms(stats.q3)} | "
+            f"{stats.count} | {_maybe(ratio_to(results, result.name, 'sgd'), '.2f')} | "
+            f"{_maybe(to_dkfac, '.3f')} | {_maybe(None if not to_dkfac else 1 / to_dkfac, '.2f')}"
+            " |"
+        )
+    return [*lines, ""]
+
+
+def _breakdown_table(results: BenchResults, png: str | None) -> list[str]:
+    header = " | ".join(BREAKDOWN_CATEGORIES)
+    lines = [
+        "## Breakdown (ms per iteration, mean over measured iterations and ranks)",
+        "",
+        f"| variant | {header} | total |",
+        "|---|" + "---|" * (len(BREAKDOWN_CATEGORIES) + 1),
+    ]
+    for result in results.variants:
+        cells = [_ms(result.breakdown.get(c, 0.0)) for c in BREAKDOWN_CATEGORIES]
+        total = sum(result.breakdown.get(c, 0.0) for c in BREAKDOWN_CATEGORIES)
+        lines.append(f"| {result.name} | {' | '.join(cells)} | {_ms(total)} |")
+    lines.append("")
+    if png:
+        lines += [f"![breakdown per variant]({png})", ""]
+    return lines
+
+
+def _fig10_table(results: BenchResults) -> list[str]:
+    rows = exposed_factor_comm(results)
+    if not rows:
+        return []
+    unpack = _ms(results.factor_unpack)
+    lines = [
+        "## Exposed factor communication (Fig. 10)",
+        "",
+        "Non-overlapped factor all-reduce time (`FactorComm`) per variant, against the "
+        "variant with the same strategy and placement that exchanges factors after "
+        "backward; hidden = 100·(1 − exposed / baseline's exposed). `FactorComm` also holds "
+        f"the exchange's unpacking of the reduced triangles into full factors, {unpack} ms "
+        "per step on rank 0 (timed apart at start-up), which no policy can hide; the last "
+        "two columns subtract it.",
+        "",
+        "| variant | factor exchange | placement | exposed FactorComm ms/iter | baseline "
+        "| hidden vs baseline | baseline / this | without unpack ms | hidden without unpack |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        variant = VARIANTS[row.name]
+        lines.append(
+            f"| {row.name} | {variant.factor_exchange} | {variant.placement} | "
+            f"{_ms(row.exposed)} | {row.baseline or '—'} | {_percent(row.hidden_percent)} | "
+            f"{_maybe(row.reduction, '.2f')} | {_ms(row.communication)} | "
+            f"{_percent(row.hidden_communication_percent)} |"
+        )
+    return [*lines, ""]
+
+
+def _goals(results: BenchResults) -> list[str]:
+    lines: list[str] = []
+    rows = {row.name: row for row in exposed_factor_comm(results)}
+    optimal = rows.get("fusion:optimal") or rows.get("spd-kfac")
+    if optimal is not None and optimal.hidden_percent is not None:
+        met = optimal.hidden_percent >= _FIG10_GOAL_PERCENT
+        lines.append(
+            f"- optimal fusion ({optimal.name}) hides {optimal.hidden_percent:.1f}% of "
+            f"{optimal.baseline}'s exposed factor communication "
+            f"({_percent(optimal.hidden_communication_percent)} without unpacking; goal >= "
+            f"{_FIG10_GOAL_PERCENT:.0f}%, judged on the measured value): "
+            f"**{'met' if met else 'not met'}**"
+        )
+    ratio = ratio_to(results, "spd-kfac", "d-kfac")
+    if ratio:
+        speedup = 1 / ratio
+        met = speedup >= _SPEEDUP_GOAL
+        lines.append(
+            f"- SPD-KFAC is {speedup:.2f}x as fast as D-KFAC per iteration (goal >= "
+            f"{_SPEEDUP_GOAL}x): **{'met' if met else 'not met'}**"
+        )
+    return ["## Goals from the paper", "", *lines, ""] if lines else []
+
+
+def _plans(results: BenchResults) -> list[str]:
+    lines = ["## Variants", ""]
+    for result in results.variants:
+        variant = VARIANTS[result.name]
+        extra = []
+        if result.plan:
+            extra.append(result.plan)
+        if result.fusion_buckets is not None:
+            extra.append(f"{result.fusion_buckets} factor all-reduce(s) per step")
+        if result.skipped_steps:
+            extra.append(f"{result.skipped_steps} skipped K-FAC step(s)")
+        detail = f" ({'; '.join(extra)})" if extra else ""
+        lines.append(f"- `{result.name}`: {variant.description}{detail}")
+    return [*lines, ""]
+
+
+def format_report(
+    results: BenchResults, *, png: str | None = None, traces: str | None = None
+) -> str:
+    """The markdown report; ``png`` and ``traces`` are paths relative to it, when written."""
+    lines = _header(results) + _time_table(results) + _breakdown_table(results, png)
+    lines += _fig10_table(results) + _goals(results) + _plans(results)
+    if traces:
+        names = ", ".join(f"`{traces}/{trace_filename(v.name)}`" for v in results.variants)
+        lines += [
+            f"Chrome traces (all ranks on one timeline; open in ui.perfetto.dev): {names}.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def write_breakdown_png(
+    results: BenchResults, path: str | Path, *, log: Callable[[str], None] = print
+) -> bool:
+    """Stacked bars of the breakdown per variant (the paper's Fig. 9); False without
+    matplotlib (after a notice through ``log``)."""
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+    except ImportError:
+        log("matplotlib is not installed: breakdown.png skipped (pip install matplotlib)")
+        return False
+    matplotlib.use("Agg")
+    pyplot = importlib.import_module("matplotlib.pyplot")
+    names = [v.name for v in results.variants]
+    figure, axes = pyplot.subplots(figsize=(max(6.0, 1.1 * len(names) + 2.5), 4.8))
+    bottoms = [0.0] * len(names)
+    for category in BREAKDOWN_CATEGORIES:
+        heights = [1e3 * v.breakdown.get(category, 0.0) for v in results.variants]
+        axes.bar(names, heights, bottom=bottoms, label=category, width=0.65)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    axes.set_ylabel("ms per iteration (mean over ranks)")
+    title = (
+        f"{results.model}, {results.world_size} ranks x batch {results.batch_size}, "
+        f"link {results.link}"
+    )
+    axes.set_title("\n".join(textwrap.wrap(title, 60)), fontsize="medium")
+    pyplot.setp(axes.get_xticklabels(), rotation=30, ha="right")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    figure.tight_layout()
+    figure.savefig(Path(path), dpi=120)
+    pyplot.close(figure)
+    return True
+
+
+def last_iterations(events: Sequence[Event], count: int) -> list[Event]:
+    """Each rank's events from the start of its last ``count`` iterations on."""
+    kept: list[Event] = []
+    for rank in sorted({e.rank for e in events}):
+        mine = [e for e in events if e.rank == rank]
+        starts = sorted(e.start for e in mine if e.phase == "iteration")
+        cut = starts[-count] if 0 < count < len(starts) else float("-inf")
+        kept.extend(e for e in mine if e.start >= cut)
+    return sorted(kept, key=lambda e: e.start)
+
+
+def write_traces(
+    events: Mapping[str, Sequence[Event]], directory: str | Path, *, iterations: int
+) -> list[Path]:
+    """One Chrome trace per variant (its last ``iterations`` iterations, every rank)."""
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, variant_events in events.items():
+        kept = last_iterations(variant_events, iterations)
+        labels = {rank: f"{name} rank {rank}" for rank in {e.rank for e in kept}}
+        path = target / trace_filename(name)
+        path.write_text(json.dumps(chrome_trace(kept, labels=labels)))
+        written.append(path)
+    return written
+
+
+def write_outputs(
+    results: BenchResults,
+    events: Mapping[str, Sequence[Event]],
+    out_dir: str | Path,
+    *,
+    trace_iterations: int,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Write ``results.json``, ``breakdown.png``, ``traces/`` and ``report.md``; returns the
+    report's path."""
+    directory = Path(out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    results.save(directory / "results.json")
+    png = (
+        "breakdown.png"
+        if write_breakdown_png(results, directory / "breakdown.png", log=log)
+        else None
+    )
+    write_traces(events, directory / "traces", iterations=trace_iterations)
+    report = directory / "report.md"
+    report.write_text(format_report(results, png=png, traces="traces") + "\n")
+    return report

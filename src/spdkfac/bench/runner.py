@@ -1,0 +1,279 @@
+"""One rank of the benchmark: every variant's model, trained in alternating chunks, profiled."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from spdkfac.bench.costs import (
+    describe_cost_model,
+    factor_dims,
+    fit_live_cost_model,
+    unpack_seconds,
+)
+from spdkfac.bench.report import write_outputs
+from spdkfac.bench.results import BenchResults, VariantResult
+from spdkfac.bench.variants import VARIANTS
+from spdkfac.comm import (
+    BucketLaunches,
+    Communicator,
+    barrier,
+    destroy_distributed,
+    gather_events,
+    init_distributed,
+    timed_allreduce_hook,
+)
+from spdkfac.costmodel import CostModel, resolve_cost_model
+from spdkfac.models import build_model
+from spdkfac.preconditioner import KFACPreconditioner
+from spdkfac.profiling import Event, Profiler, breakdown, span_name
+
+__all__ = ["BenchOptions", "Progress", "run_worker"]
+
+#: ``progress(done, total, text)``, called on rank 0 after every iteration.
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchOptions:
+    """Everything a rank needs to run the benchmark (the CLI's flags).
+
+    ``fusion_warmup_steps`` None means ``max(1, warmup)``: the ``optimal`` fusion policy
+    measures that many factor steps, then plans, so (with factors refreshed every step) the
+    plan is in place exactly when the measured iterations begin.
+    """
+
+    model: str = "resnet32"
+    variants: tuple[str, ...] = ("sgd", "d-kfac", "spd-kfac")
+    iters: int = 30
+    warmup: int = 3
+    chunk: int = 5
+    batch_size: int = 32
+    threads: int = 1
+    factor_update_steps: int = 1
+    inv_update_steps: int = 1
+    fusion_warmup_steps: int | None = None
+    lr: float = 0.01
+    damping: float = 0.003
+    input_size: int = 32
+    in_channels: int = 3
+    num_classes: int = 10
+    seed: int = 0
+    cost_model: str | None = None
+    trace_iters: int = 5
+    out_dir: str = "bench-out"
+    link: str = "loopback"
+    command: str = "spdkfac bench"
+    timeout: float = 1800.0
+
+    @property
+    def planning_steps(self) -> int:
+        """Factor steps the ``optimal`` policy measures before planning."""
+        return self.fusion_warmup_steps or max(1, self.warmup)
+
+
+class _VariantRun:
+    """One variant's model copy, optimizer, preconditioner, profiler and timings."""
+
+    def __init__(
+        self, name: str, options: BenchOptions, comm: Communicator, costs: CostModel | str
+    ) -> None:
+        self.name = name
+        self.warmup = options.warmup
+        torch.manual_seed(options.seed)  # the same initial weights for every variant
+        model: nn.Module = build_model(
+            options.model,
+            num_classes=options.num_classes,
+            in_channels=options.in_channels,
+            input_size=options.input_size,
+        )
+        self.launches = BucketLaunches()
+        if comm.world_size > 1:
+            ddp = nn.parallel.DistributedDataParallel(model)
+            ddp.register_comm_hook(None, timed_allreduce_hook(self.launches))
+            model = ddp
+        self.model = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9)
+        kwargs = VARIANTS[name].kfac
+        self.precond: KFACPreconditioner | None = None
+        if kwargs is not None:
+            self.precond = KFACPreconditioner(
+                model,
+                strategy=kwargs["strategy"],
+                placement=kwargs.get("placement"),
+                factor_exchange=kwargs.get("factor_exchange"),
+                factor_update_steps=options.factor_update_steps,
+                inv_update_steps=options.inv_update_steps,
+                fusion_warmup_steps=options.planning_steps,
+                lr=options.lr,
+                damping=options.damping,
+                cost_model=costs,
+                profile=True,
+            )
+            self.profiler = self.precond.profiler
+        else:
+            self.profiler = Profiler(enabled=True, rank=comm.rank)
+        self.times: list[float] = []
+
+    def iteration(self, inputs: Tensor, targets: Tensor) -> float:
+        """One training iteration, recorded as spans; returns its wall time."""
+        began = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.launches.clear()
+        forward = time.perf_counter()
+        F.cross_entropy(self.model(inputs), targets).backward()
+        backward_done = time.perf_counter()
+        if self.precond is None or self.precond.step():
+            self.optimizer.step()
+        ended = time.perf_counter()
+        last_launch = self.launches.last
+        record = self.profiler.record
+        if last_launch is not None:
+            # What DDP could not overlap: from its last bucket's launch until backward()
+            # returned, having waited for every bucket.
+            record(span_name("grad_comm", "wait"), min(last_launch, backward_done), backward_done)
+        record(span_name("forward_backward"), forward, backward_done)
+        record(span_name("iteration"), began, ended)
+        self.times.append(ended - began)
+        if len(self.times) == self.warmup:
+            self.profiler.clear()  # statistics and traces start after the warm-up
+        return ended - began
+
+    def result(self, times: list[list[float]], events: list[Event], iters: int) -> VariantResult:
+        """This variant's entry of ``results.json`` (rank 0, after gathering)."""
+        precond = self.precond
+        plan = precond.fusion_plan if precond is not None else None
+        return VariantResult(
+            name=self.name,
+            times=tuple(tuple(rank_times) for rank_times in times),
+            warmup=self.warmup,
+            breakdown=breakdown(events, iters - self.warmup),
+            plan="" if precond is None else precond.plan.describe(),
+            fusion_buckets=None if plan is None else len(plan.buckets),
+            skipped_steps=0 if precond is None else precond.skipped_steps,
+        )
+
+
+def _machine(options: BenchOptions, comm: Communicator) -> dict[str, str]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": f"{cpu} ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "ranks": f"{comm.world_size} (gloo)",
+        "threads per rank": str(options.threads),
+    }
+
+
+def _settings(options: BenchOptions) -> dict[str, str]:
+    return {
+        "iterations per variant": f"{options.iters} (first {options.warmup} are warm-up)",
+        "chunk": f"{options.chunk} (variants take turns)",
+        "factor/inverse update steps": (
+            f"{options.factor_update_steps}/{options.inv_update_steps}"
+        ),
+        "optimal fusion planned after": f"{options.planning_steps} factor steps",
+        "input": f"{options.in_channels}x{options.input_size}x{options.input_size} synthetic",
+        "SGD": f"lr {options.lr}, momentum 0.9; K-FAC damping {options.damping}",
+    }
+
+
+def _resolve_costs(
+    options: BenchOptions, comm: Communicator, model: nn.Module
+) -> tuple[CostModel | str, dict[str, str]]:
+    if options.cost_model is not None:
+        # The preconditioner gets the path (rank 0 loads it and shares it); the report
+        # shows what that file gives this world size.
+        shown = resolve_cost_model(options.cost_model, comm.world_size)
+        return options.cost_model, describe_cost_model(shown, f"file {options.cost_model}")
+    fitted = fit_live_cost_model(comm, factor_dims(model))
+    source = "fitted at start on this link and the model's factor dims (rank 0's)"
+    return fitted, describe_cost_model(fitted, source)
+
+
+def _train(
+    runs: list[_VariantRun], options: BenchOptions, rank: int, progress: Progress | None
+) -> None:
+    generator = torch.Generator().manual_seed(1000 * options.seed + rank)
+    shape = (options.batch_size, options.in_channels, options.input_size, options.input_size)
+    inputs = torch.randn(*shape, generator=generator)
+    targets = torch.randint(0, options.num_classes, (options.batch_size,), generator=generator)
+    total, done = options.iters * len(runs), 0
+    while any(len(run.times) < options.iters for run in runs):
+        for run in runs:
+            for _ in range(min(options.chunk, options.iters - len(run.times))):
+                seconds = run.iteration(inputs, targets)
+                done += 1
+                if progress is not None:
+                    progress(done, total, f"{run.name} {1e3 * seconds:.0f} ms")
+
+
+def run_worker(options: BenchOptions, progress: Progress | None = None) -> int:
+    """Run the benchmark on this rank (all ranks call it); rank 0 writes the outputs.
+
+    Joins the process group described by the environment (torchrun or the launcher), or
+    runs alone when there is none. Returns the exit code.
+    """
+    torch.set_num_threads(options.threads)
+    comm = init_distributed("gloo", timeout=timedelta(seconds=options.timeout))
+    try:
+        probe = build_model(
+            options.model,
+            num_classes=options.num_classes,
+            in_channels=options.in_channels,
+            input_size=options.input_size,
+        )
+        costs, cost_info = _resolve_costs(options, comm, probe)
+        unpack = unpack_seconds(probe)
+        runs = [_VariantRun(name, options, comm, costs) for name in options.variants]
+        _train(runs, options, comm.rank, progress if comm.rank == 0 else None)
+        variants: list[VariantResult] = []
+        traces: dict[str, list[Event]] = {}
+        for run in runs:  # every rank gathers in the same order
+            events = gather_events(run.profiler.events(), comm)
+            local = torch.tensor(run.times, dtype=torch.float64)
+            times = [t.tolist() for t in comm.all_gather(local).wait()]
+            variants.append(run.result(times, events, options.iters))
+            traces[run.name] = events
+        if comm.rank == 0:
+            results = BenchResults(
+                command=options.command,
+                model=options.model,
+                world_size=comm.world_size,
+                batch_size=options.batch_size,
+                link=options.link,
+                variants=tuple(variants),
+                settings=_settings(options),
+                machine=_machine(options, comm),
+                cost_model=cost_info,
+                factor_unpack=unpack,
+            )
+            report = write_outputs(
+                results,
+                traces,
+                options.out_dir,
+                trace_iterations=options.trace_iters,
+                log=lambda line: print(line, file=sys.stderr),
+            )
+            print(f"wrote {report} (and results.json, breakdown.png, traces/)", flush=True)
+        barrier(comm)
+    finally:
+        destroy_distributed()
+    return 0

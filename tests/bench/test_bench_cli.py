@@ -1,0 +1,84 @@
+"""``spdkfac bench`` end to end on two local ranks, and its argument errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spdkfac.cli import bench as bench_cli
+from spdkfac.cli import main
+
+
+def test_two_ranks_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "spdkfac", "bench", "--model", "mlp", "--iters", "4",
+        "--warmup", "1", "--chunk", "2", "--variants", "sgd,d-kfac,spd-kfac", "--nproc", "2",
+        "--out-dir", str(out),
+        # An 8x8 input keeps the MLP's first factor at 193 (3073 at 32x32 costs ~10 s here).
+        "--input-size", "8",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    assert report.startswith("# spdkfac bench: mlp, 2 rank(s) x batch 32, link loopback")
+    assert "--variants sgd,d-kfac,spd-kfac" in report.splitlines()[2]
+    for name in ("sgd", "d-kfac", "spd-kfac"):
+        assert f"| {name} |" in report.split("## Iteration time")[1].split("##")[0]
+        trace = json.loads((out / "traces" / f"{name}.json").read_text())
+        ranks = {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+        assert ranks == {0, 1}
+    results = json.loads((out / "results.json").read_text())
+    assert [v["name"] for v in results["variants"]] == ["sgd", "d-kfac", "spd-kfac"]
+    for variant in results["variants"]:
+        assert len(variant["times"]) == 2 and all(len(t) == 4 for t in variant["times"])
+        assert variant["breakdown"]["FF&BP"] > 0
+    assert results["variants"][0]["breakdown"]["GradComm"] > 0  # the DDP hook's window
+    assert results["variants"][1]["breakdown"]["FactorComm"] > 0
+    assert "bench [" in result.stderr  # rank 0's progress bar
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--iters", "0"],
+        ["--iters", "3", "--warmup", "3"],
+        ["--variants", "sgd,adam"],
+        ["--variants", ""],
+        ["--model", "vgg"],
+        ["--link", "fast"],
+        ["--nproc", "1", "--link", "1gbit"],
+        ["--bogus"],
+    ],
+)
+def test_bad_flags_exit_with_code_2(
+    flags: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *flags])
+    assert info.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_link_without_root_says_so_and_exits_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(bench_cli, "available", lambda: False)
+    assert main(["bench", "--link", "1gbit"]) == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def test_missing_cost_model_file_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "costs.json"
+    assert main(["bench", "--cost-model", str(missing)]) == 1
+    assert str(missing) in capsys.readouterr().err

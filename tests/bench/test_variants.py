@@ -1,0 +1,94 @@
+"""The variant table, the presets and the choice of Fig. 10 baselines."""
+
+from __future__ import annotations
+
+import pytest
+
+from spdkfac.bench.variants import (
+    PRESETS,
+    VARIANTS,
+    after_backward_baseline,
+    parse_variants,
+    preconditioner_kwargs,
+)
+
+
+def test_table_builds_the_expected_kwargs() -> None:
+    expected = {
+        "sgd": None,
+        "d-kfac": {"strategy": "d-kfac"},
+        "mpd-kfac": {"strategy": "mpd-kfac"},
+        "spd-kfac": {"strategy": "spd-kfac"},
+        "placement-only": {"strategy": "spd-kfac", "factor_exchange": "after-backward"},
+        "pipelining-only": {"strategy": "d-kfac", "factor_exchange": "optimal"},
+        "fusion:after-backward": {"strategy": "spd-kfac", "factor_exchange": "after-backward"},
+        "fusion:layerwise": {"strategy": "spd-kfac", "factor_exchange": "layerwise"},
+        "fusion:threshold": {"strategy": "spd-kfac", "factor_exchange": "threshold"},
+        "fusion:optimal": {"strategy": "spd-kfac", "factor_exchange": "optimal"},
+    }
+    assert {name: preconditioner_kwargs(name) for name in VARIANTS} == expected
+
+
+def test_kwargs_are_copies_and_the_table_is_read_only() -> None:
+    kwargs = preconditioner_kwargs("spd-kfac")
+    assert kwargs is not None
+    kwargs["strategy"] = "d-kfac"
+    assert preconditioner_kwargs("spd-kfac") == {"strategy": "spd-kfac"}
+    with pytest.raises(TypeError):
+        VARIANTS["spd-kfac"].kfac["strategy"] = "d-kfac"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("name", "exchange", "placement"),
+    [
+        ("d-kfac", "after-backward", "replicated"),
+        ("mpd-kfac", "after-backward", "round-robin"),
+        ("spd-kfac", "optimal", "balanced"),
+        ("placement-only", "after-backward", "balanced"),
+        ("pipelining-only", "optimal", "replicated"),
+        ("fusion:threshold", "threshold", "balanced"),
+        ("sgd", None, None),
+    ],
+)
+def test_resolved_policies(name: str, exchange: str | None, placement: str | None) -> None:
+    assert VARIANTS[name].factor_exchange == exchange
+    assert VARIANTS[name].placement == placement
+
+
+def test_presets_expand_in_order_without_duplicates() -> None:
+    assert PRESETS["main"] == (
+        "sgd",
+        "d-kfac",
+        "mpd-kfac",
+        "spd-kfac",
+        "placement-only",
+        "pipelining-only",
+    )
+    assert parse_variants("fig10, d-kfac,mpd-kfac,spd-kfac,d-kfac") == (
+        "fusion:after-backward",
+        "fusion:layerwise",
+        "fusion:threshold",
+        "fusion:optimal",
+        "d-kfac",
+        "mpd-kfac",
+        "spd-kfac",
+    )
+    assert parse_variants("sgd,main")[:2] == ("sgd", "d-kfac")
+
+
+@pytest.mark.parametrize("text", ["", " , ", "sgd,adam", "fig9"])
+def test_bad_variant_lists_are_rejected(text: str) -> None:
+    with pytest.raises(ValueError, match="variant"):
+        parse_variants(text)
+
+
+def test_after_backward_baselines() -> None:
+    run = PRESETS["main"]
+    assert after_backward_baseline("spd-kfac", run) == "placement-only"
+    assert after_backward_baseline("pipelining-only", run) == "d-kfac"
+    assert after_backward_baseline("d-kfac", run) == "d-kfac"
+    assert after_backward_baseline("sgd", run) is None
+    fig10 = parse_variants("fig10,spd-kfac")
+    assert after_backward_baseline("fusion:layerwise", fig10) == "fusion:after-backward"
+    assert after_backward_baseline("spd-kfac", fig10) == "fusion:after-backward"
+    assert after_backward_baseline("spd-kfac", ("spd-kfac", "d-kfac")) is None
