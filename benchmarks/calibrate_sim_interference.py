@@ -1,0 +1,159 @@
+"""Measure how gloo communication and computation slow each other on this machine.
+
+Two ranks (loopback, or the emulated 1 Gbit/s cluster as root) time a block of
+convolutions alone (T_p), an all-reduce alone (T_c), then both at once: the all-reduce is
+launched and the same convolutions run while it moves. If the transfer ends at t_c' and
+the computation at t_p', the simulator's knobs follow (see ``spdkfac.sim.engine``):
+``overlap = T_c / t_c'`` (the share of its rate a transfer keeps while the rank computes)
+and ``contention = (t_p' − T_p) / t_c'`` (the share of its speed the computation loses
+while the transfer moves). It also times posting one asynchronous all-reduce
+(``issue_overhead_seconds``). Medians over ``--repeats`` rounds; rank 0 prints JSON and,
+with ``--out``, merges it into a file keyed by link.
+
+    python benchmarks/calibrate_sim_interference.py --link loopback \\
+        --out benchmarks/reports/sim_interference_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from spdkfac.bench.launch import free_port, run_ranks
+from spdkfac.bench.netns import emulated_cluster
+from spdkfac.comm import barrier, destroy_distributed, init_distributed
+
+MESSAGE_BYTES = {"loopback": 32 * 2**20, "1gbit": 4 * 2**20}
+
+
+def _compute(inputs: torch.Tensor, weight: torch.Tensor, count: int) -> None:
+    x = inputs
+    for _ in range(count):
+        x = F.relu(F.batch_norm(F.conv2d(x, weight, padding=1), None, None, training=True))
+
+
+def _worker(link: str, repeats: int) -> None:
+    torch.set_num_threads(1)
+    comm = init_distributed("gloo")
+    inputs, weight = torch.randn(32, 64, 16, 16), torch.randn(64, 64, 3, 3) * 0.05
+    message = torch.ones(MESSAGE_BYTES[link] // 4)
+    rows: list[tuple[float, float, float, float]] = []
+    try:
+        for _ in range(repeats + 1):
+            barrier(comm)
+            start = time.perf_counter()
+            _compute(inputs, weight, 25)
+            alone_compute = time.perf_counter() - start
+            barrier(comm)
+            start = time.perf_counter()
+            comm.all_reduce_sum(message).wait()
+            alone_transfer = time.perf_counter() - start
+            barrier(comm)
+            done: list[float] = []
+            start = time.perf_counter()
+            future = comm.all_reduce_sum(message)
+            future.add_done_callback(lambda _: done.append(time.perf_counter()))
+            _compute(inputs, weight, 25)
+            both_compute = time.perf_counter() - start
+            future.wait()
+            while not done:
+                time.sleep(1e-4)
+            rows.append((alone_compute, alone_transfer, both_compute, done[0] - start))
+        issues: list[float] = []
+        for _ in range(50):  # the host cost of posting an asynchronous collective
+            small = torch.ones(1024)
+            barrier(comm)
+            start = time.perf_counter()
+            future = comm.all_reduce_sum(small)
+            issues.append(time.perf_counter() - start)
+            future.wait()
+        rows = rows[1:]  # the first round warms up
+        t_p, t_c, t_p2, t_c2 = (statistics.median(column) for column in zip(*rows, strict=True))
+        if comm.rank == 0:
+            print(
+                json.dumps(
+                    {
+                        "link": link,
+                        "message_bytes": MESSAGE_BYTES[link],
+                        "compute_alone_s": t_p,
+                        "transfer_alone_s": t_c,
+                        "compute_with_transfer_s": t_p2,
+                        "transfer_with_compute_s": t_c2,
+                        "overlap": min(1.0, t_c / t_c2),
+                        "contention": max(0.0, min(0.95, (t_p2 - t_p) / t_c2)),
+                        "issue_overhead_seconds": statistics.median(issues),
+                    }
+                ),
+                flush=True,
+            )
+    finally:
+        destroy_distributed()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--link", choices=tuple(MESSAGE_BYTES), default="loopback")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default=None, help="JSON file to merge the result into")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args.link, args.repeats)
+        return 0
+    argv = [sys.executable, __file__, "--worker", "--link", args.link]
+    argv += ["--repeats", str(args.repeats)]
+    result = Path(f"/tmp/spdkfac-interference-{os.getpid()}.json")
+    base = {"WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = ["sh", "-c", f'exec "$0" "$@" > {result}', *argv]
+    if args.link == "loopback":
+        port = str(free_port())
+        code = run_ranks(
+            [
+                (
+                    command if rank == 0 else argv,
+                    {
+                        **os.environ,
+                        **base,
+                        "RANK": str(rank),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port,
+                    },
+                )
+                for rank in range(2)
+            ],
+            timeout=600,
+        )
+    else:
+        with emulated_cluster(2, rate=args.link) as cluster:
+            commands = []
+            for rank in range(2):
+                env = {**base, "RANK": str(rank), "MASTER_ADDR": cluster.addresses[0],
+                       "MASTER_PORT": "29577", "GLOO_SOCKET_IFNAME": cluster.interfaces[rank],
+                       "PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # fmt: skip
+                commands.append(
+                    (cluster.command(rank, command if rank == 0 else argv, env), dict(os.environ))
+                )
+            code = run_ranks(commands, timeout=600)
+    if code != 0:
+        return code
+    measured = json.loads(result.read_text().strip().splitlines()[-1])
+    result.unlink()
+    print(json.dumps(measured, indent=1))
+    if args.out:
+        target = Path(args.out)
+        merged = json.loads(target.read_text()) if target.exists() else {}
+        merged[args.link] = measured
+        target.write_text(json.dumps(merged, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

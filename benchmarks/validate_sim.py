@@ -1,0 +1,299 @@
+"""Validate ``spdkfac simulate`` against ``spdkfac bench`` measurements on this machine.
+
+For every ``results.json`` given (default: ``benchmarks/reports/*/results.json``), simulate
+the same model, batch, world size, refresh intervals and variants with the ``cpu`` preset,
+the costs the run itself planned with (its inverse and collective fits, printed in
+``results.json``) and, when there is one for the model, a measured-compute file
+(``benchmarks/measure_sim_compute.py``: per-op and per-layer factor times taken on this
+machine with two processes at once, outside the benchmark). Writes measured against
+simulated iteration time and breakdown categories, and the same with the FLOP-based
+roofline of the preset instead of the measured compute.
+
+    python benchmarks/validate_sim.py --out benchmarks/reports/sim_validation.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import re
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from spdkfac.bench.results import BenchResults, VariantResult, iteration_stats
+from spdkfac.costmodel import AlphaBetaModel, PolynomialInverseModel
+from spdkfac.profiling import BREAKDOWN_CATEGORIES
+from spdkfac.sim import (
+    CommunicationModel,
+    Hardware,
+    MeasuredCompute,
+    StrategyResult,
+    Workload,
+    cpu_preset,
+    model_by_name,
+    simulate_strategy,
+    trace_workload,
+)
+
+_FLOAT = r"([0-9.]+(?:e[-+]?[0-9]+)?)"
+#: Measured-compute files, by model and batch size (benchmarks/measure_sim_compute.py).
+MEASURED = "benchmarks/reports/sim_measured_{model}_b{batch}.json"
+LIMIT = 0.15
+
+
+def _inverse(text: str) -> PolynomialInverseModel:
+    match = re.search(rf"=\s*{_FLOAT}\s*\+\s*{_FLOAT}·d²\s*\+\s*{_FLOAT}·d³", text)
+    if match is None:
+        raise ValueError(f"cannot parse the inverse model {text!r}")
+    c0, c2, c3 = (float(value) for value in match.groups())
+    return PolynomialInverseModel(c0=c0, c2=c2, c3=c3)
+
+
+def _alpha_beta(text: str) -> AlphaBetaModel:
+    match = re.search(rf"α\s*{_FLOAT}\s*ms,\s*β\s*{_FLOAT}\s*ns/B", text)
+    if match is None:
+        raise ValueError(f"cannot parse the α-β model {text!r}")
+    return AlphaBetaModel(alpha=float(match.group(1)) * 1e-3, beta=float(match.group(2)) * 1e-9)
+
+
+def _intervals(results: BenchResults) -> tuple[int, int]:
+    factor, inverse = str(results.settings.get("factor/inverse update steps", "1/1")).split("/")
+    return int(factor), int(inverse)
+
+
+def _input_size(results: BenchResults) -> int:
+    match = re.search(r"(\d+)x(\d+)x(\d+)", str(results.settings.get("input", "3x32x32")))
+    return int(match.group(2)) if match else 32
+
+
+INTERFERENCE = "benchmarks/reports/sim_interference_cpu.json"
+
+
+def _link_measurements(link: str) -> dict[str, float]:
+    """What ``benchmarks/calibrate_sim_interference.py`` measured on this link."""
+    path = Path(INTERFERENCE)
+    if not path.exists():
+        return {}
+    measured = json.loads(path.read_text())
+    key = "loopback" if "loopback" in link else next((k for k in measured if k in link), None)
+    return {k: float(v) for k, v in measured.get(key or "", {}).items() if k != "link"}
+
+
+def run_costs(results: BenchResults) -> Hardware:
+    """The ``cpu`` preset with the run's own inverse and collective fits for planning, and
+    for the collectives' cost the same fits with the bandwidth of a large message and the
+    interference measured on the run's link (``benchmarks/calibrate_sim_interference.py``).
+
+    The run fits α-β at start on 4 KiB-8 MiB messages, weighting relative error, so its β
+    follows the small messages (on the tbf link a 256 KiB burst passes at full speed); the
+    factor buckets are megabytes, so their time follows the large-message β.
+    """
+    costs = results.cost_model
+    broadcast, allreduce = (
+        _alpha_beta(str(costs["broadcast"])),
+        _alpha_beta(str(costs["all-reduce"])),
+    )
+    planning = CommunicationModel({results.world_size: (broadcast, allreduce)}, scaling="ring")
+    link = _link_measurements(results.link)
+    communication = planning
+    if "transfer_alone_s" in link:
+        beta = max(allreduce.beta, link["transfer_alone_s"] / link["message_bytes"])
+        ratio = beta / allreduce.beta if allreduce.beta > 0 else 1.0
+        communication = CommunicationModel(
+            {
+                results.world_size: (
+                    replace(broadcast, beta=broadcast.beta * ratio),
+                    replace(allreduce, beta=beta),
+                )
+            },
+            scaling="ring",
+        )
+    knobs = {k: link[k] for k in ("overlap", "contention", "issue_overhead_seconds") if k in link}
+    return replace(
+        cpu_preset(),
+        inverse=_inverse(str(costs["inverse"])),
+        communication=communication,
+        planning=planning,
+        **knobs,
+    )
+
+
+def _error(simulated: float, measured: float) -> float | None:
+    return None if measured <= 0 else simulated / measured - 1
+
+
+def _cell(simulated: float, measured: float) -> str:
+    error = _error(simulated, measured)
+    if error is None:
+        return "—" if simulated < 1e-4 else f"0.0 / {1e3 * simulated:.1f}"
+    flag = "" if abs(error) <= LIMIT else " ✗"
+    return f"{1e3 * measured:.1f} / {1e3 * simulated:.1f}, {100 * error:+.0f}%{flag}"
+
+
+def _simulate(
+    workload: Workload, hardware: Hardware, results: BenchResults
+) -> dict[str, StrategyResult]:
+    factor_steps, inverse_steps = _intervals(results)
+    return {
+        variant.name: simulate_strategy(
+            workload,
+            hardware,
+            results.world_size,
+            variant.name,
+            factor_update_steps=factor_steps,
+            inv_update_steps=inverse_steps,
+        )
+        for variant in results.variants
+    }
+
+
+def _mean_iteration(variant: VariantResult) -> float:
+    return statistics.fmean(variant.measured)
+
+
+def _table(results: BenchResults, simulated: dict[str, StrategyResult]) -> list[str]:
+    lines = [
+        "| variant | iteration (median) | iteration (mean) | "
+        + " | ".join(BREAKDOWN_CATEGORIES)
+        + " |",
+        "|---" * (3 + len(BREAKDOWN_CATEGORIES)) + "|",
+    ]
+    for variant in results.variants:
+        result = simulated[variant.name]
+        cells = [
+            _cell(result.iteration_s, iteration_stats(variant).median),
+            _cell(result.iteration_s, _mean_iteration(variant)),
+        ]
+        cells += [
+            _cell(result.breakdown[c], variant.breakdown.get(c, 0.0)) for c in BREAKDOWN_CATEGORIES
+        ]
+        lines.append(f"| {variant.name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _validate(path: str, measured_files: dict[str, str]) -> tuple[list[str], list[str]]:
+    results = BenchResults.load(path)
+    entry = model_by_name(results.model, input_size=_input_size(results))
+    workload = trace_workload(
+        entry.build, entry.input_shape, batch_size=results.batch_size, name=entry.name
+    )
+    roofline = run_costs(results)
+    factor_steps, inverse_steps = _intervals(results)
+    title = (
+        f"{results.model}, {results.world_size} ranks x batch {results.batch_size}, {results.link}"
+    )
+    lines = [
+        f"### {title}",
+        "",
+        f"`{path}`; all-reduce β for costs {1e9 * roofline.communication.at(2)[1].beta:.2f} "
+        f"ns/B; overlap {roofline.overlap:.2f}, contention {roofline.contention:.2f}, "
+        f"issue {1e6 * roofline.issue_overhead_seconds:.0f} µs "
+        f"(`{INTERFERENCE}`); refresh {factor_steps}/{inverse_steps}; inverse and collectives: the "
+        f"run's own fits ({results.cost_model.get('source', '?')}): inverse "
+        f"{results.cost_model.get('inverse')}, all-reduce {results.cost_model.get('all-reduce')}, "
+        f"broadcast {results.cost_model.get('broadcast')}",
+        "",
+    ]
+    summary = []
+    measured_path = measured_files.get(results.model) or MEASURED.format(
+        model=results.model, batch=results.batch_size
+    )
+    if Path(measured_path).exists():
+        measured = MeasuredCompute.load(measured_path)
+        timed, hardware = measured.apply(workload, roofline)
+        simulated = _simulate(timed, hardware, results)
+        lines += [
+            f"Compute: measured per op and per layer (`{measured_path}`), rank spread "
+            f"{hardware.rank_spread:.3f}.",
+            "",
+        ]
+        lines += [*_table(results, simulated), ""]
+        summary.append(_summary(title, "measured compute", results, simulated))
+    simulated = _simulate(workload, roofline, results)
+    lines += ["Compute: the `cpu` preset's FLOP-based roofline (no measurement of the model).", ""]
+    lines += [*_table(results, simulated), ""]
+    summary.append(_summary(title, "roofline", results, simulated))
+    return lines, summary
+
+
+def _summary(
+    title: str, compute: str, results: BenchResults, simulated: dict[str, StrategyResult]
+) -> str:
+    errors, misses = [], []
+    for variant in results.variants:
+        result = simulated[variant.name]
+        errors.append(abs(_error(result.iteration_s, iteration_stats(variant).median) or 0.0))
+        for category in BREAKDOWN_CATEGORIES:
+            error = _error(result.breakdown[category], variant.breakdown.get(category, 0.0))
+            if error is not None and abs(error) > LIMIT:
+                misses.append(category)
+    counted = {c: misses.count(c) for c in dict.fromkeys(misses)}
+    missed = ", ".join(f"{c} ({n}/{len(results.variants)})" for c, n in counted.items())
+    return (
+        f"| {title} | {compute} | {100 * statistics.median(errors):.0f}% | "
+        f"{100 * max(errors):.0f}% | {missed or 'none'} |"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="*", help="results.json files (default: all)")
+    parser.add_argument(
+        "--measured",
+        action="append",
+        default=[],
+        metavar="MODEL=PATH",
+        help="measured-compute file of MODEL (repeatable; default "
+        "benchmarks/reports/sim_measured_MODEL_bBATCH.json)",
+    )
+    parser.add_argument("--out", default=None, help="markdown file to write")
+    args = parser.parse_args()
+    measured: dict[str, str] = {}
+    for item in args.measured:
+        model, _, path = item.partition("=")
+        measured[model] = path
+    paths = args.results or sorted(glob.glob("benchmarks/reports/*/results.json"))
+    if not paths:
+        print("no results.json found", file=sys.stderr)
+        return 1
+    body: list[str] = []
+    summary = [
+        "| run | compute | iteration error, median over variants | max | categories off "
+        "by > 15 % (variants) |",
+        "|---|---|---|---|---|",
+    ]
+    for path in paths:
+        lines, rows = _validate(path, measured)
+        body += lines
+        summary += rows
+    text = "\n".join(
+        [
+            "# Simulator validation against measured runs",
+            "",
+            f"command: `python {' '.join(sys.argv)}`",
+            "",
+            "Each cell: measured / simulated ms per iteration, and the simulation's error; ✗ "
+            "marks errors beyond 15 %. Iteration: the measured median and mean of the slowest "
+            "rank's time; categories: the profiler's breakdown (mean per iteration over "
+            "ranks) against the simulator's.",
+            "",
+            "## Summary",
+            "",
+            *summary,
+            "",
+            "## Tables",
+            "",
+            *body,
+        ]
+    )
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""``spdkfac simulate``: project D-KFAC, MPD-KFAC and SPD-KFAC onto clusters we do not have."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from spdkfac.cli.arguments import positive_int
+from spdkfac.sim import (
+    DEFAULT_STRATEGIES,
+    PRESETS,
+    SIM_MODEL_NAMES,
+    STRATEGY_TABLE,
+    MeasuredCompute,
+    SimulationRun,
+    markdown_report,
+    model_by_name,
+    parse_strategies,
+    resolve_hardware,
+    results_to_json,
+    simulate_strategy,
+    trace_workload,
+    write_trace,
+)
+from spdkfac.sim.paper import PAPER_TABLE_III
+
+__all__ = ["add_parser", "run"]
+
+
+def _strategies(text: str) -> tuple[str, ...]:
+    try:
+        return parse_strategies(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _workers(text: str) -> tuple[int, ...]:
+    values = []
+    for part in (piece.strip() for piece in text.split(",")):
+        if part:
+            values.append(positive_int(part))
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma list of worker counts, got {text!r}")
+    return tuple(dict.fromkeys(values))
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _models(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(part.strip().lower() for part in text.split(",") if part.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma list of models, got {text!r}")
+    for name in names:
+        try:
+            model_by_name(name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return names
+
+
+def add_parser(verbs: Any) -> None:
+    """Register the ``simulate`` verb on an ``argparse`` sub-parser collection."""
+    parser: argparse.ArgumentParser = verbs.add_parser(
+        "simulate",
+        help="simulate D-KFAC, MPD-KFAC, SPD-KFAC and ablations on P workers",
+        description=(
+            "Trace the model's layer shapes on the meta device, plan every strategy with the "
+            "real planners and simulate one iteration per rank with a discrete-event model "
+            "(compute stream, FIFO collectives sharing each rank's link, α-β costs). Prints "
+            "iteration times and the profiler's breakdown per strategy and worker count."
+        ),
+    )
+    add = parser.add_argument
+    add(
+        "--model",
+        type=_models,
+        default=("resnet50",),
+        help=f"comma list of models ({', '.join(SIM_MODEL_NAMES)}); default resnet50",
+    )
+    add(
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help="examples per worker (default: the SPD-KFAC paper's for resnet50/resnet152/"
+        "densenet201, 32/8/16; else 32)",
+    )
+    add("--input-size", type=positive_int, default=None, help="image side (default per model)")
+    add("--workers", type=_workers, default=(64,), help="comma list of world sizes (default 64)")
+    add("--preset", choices=tuple(PRESETS), default="paper", help="hardware preset")
+    add(
+        "--cost-model",
+        default=None,
+        metavar="PATH",
+        help="calibration JSON (spdkfac calibrate) replacing the preset's inverse, "
+        "collectives and factor times",
+    )
+    add(
+        "--measured",
+        default=None,
+        metavar="PATH",
+        help="per-op and per-layer times measured on one worker (benchmarks/"
+        "measure_sim_compute.py) for the model, batch and input size simulated",
+    )
+    add(
+        "--strategies",
+        type=_strategies,
+        default=DEFAULT_STRATEGIES,
+        help=f"comma list of {', '.join(STRATEGY_TABLE)} (default {','.join(DEFAULT_STRATEGIES)})",
+    )
+    add(
+        "--overlap",
+        type=_fraction,
+        default=None,
+        help="share of link rate a collective keeps while its ranks compute (default: the "
+        "preset's, 1 = free overlap)",
+    )
+    add(
+        "--single-queue",
+        action="store_true",
+        help="every collective in one FIFO queue (Horovod) instead of a factor channel",
+    )
+    add("--factor-update-steps", type=positive_int, default=1, help="factor refresh interval")
+    add("--inv-update-steps", type=positive_int, default=1, help="inverse refresh interval")
+    add("--json", action="store_true", help="print one JSON object keyed by strategy")
+    add("--trace", default=None, metavar="PATH", help="Chrome trace of the first run (ranks 0-7)")
+    add("--out", default=None, metavar="PATH", help="also write the markdown report here")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the ``simulate`` verb; returns the exit code."""
+    try:
+        hardware = resolve_hardware(args.preset, args.cost_model)
+    except ValueError as error:
+        print(f"spdkfac simulate: error: {error}", file=sys.stderr)
+        return 1
+    if args.overlap is not None:
+        hardware = replace(hardware, overlap=args.overlap)
+    if args.single_queue:
+        hardware = replace(hardware, single_queue=True)
+    measured = None
+    if args.measured is not None:
+        try:
+            measured = MeasuredCompute.load(args.measured)
+        except ValueError as error:
+            print(f"spdkfac simulate: error: {error}", file=sys.stderr)
+            return 1
+    runs: list[SimulationRun] = []
+    for model in args.model:
+        entry = model_by_name(model, input_size=args.input_size)
+        paper = PAPER_TABLE_III.get(entry.name)
+        batch = args.batch_size or (paper[0] if paper else 32)
+        workload = trace_workload(
+            entry.build, entry.input_shape, batch_size=batch, name=entry.name, device="meta"
+        )
+        model_hardware = hardware
+        if measured is not None and measured.model == entry.name:
+            try:
+                workload, model_hardware = measured.apply(workload, hardware)
+            except ValueError as error:
+                print(f"spdkfac simulate: error: {error}", file=sys.stderr)
+                return 1
+        for workers in args.workers:
+            results = {
+                name: simulate_strategy(
+                    workload,
+                    model_hardware,
+                    workers,
+                    name,
+                    factor_update_steps=args.factor_update_steps,
+                    inv_update_steps=args.inv_update_steps,
+                )
+                for name in args.strategies
+            }
+            runs.append(SimulationRun(entry.name, batch, workers, hardware.name, results))
+    notes = [
+        f"command: `spdkfac simulate {' '.join(sys.argv[2:])}`"
+        if sys.argv[1:2] == ["simulate"]
+        else "command: spdkfac simulate",
+        f"preset: {hardware.description}; overlap {hardware.overlap:g}"
+        + ("; one collective queue" if hardware.single_queue else ""),
+        f"factor/inverse update steps: {args.factor_update_steps}/{args.inv_update_steps}",
+    ]
+    report = markdown_report(runs, title="spdkfac simulate", notes=notes)
+    if args.out is not None:
+        Path(args.out).write_text(report + "\n")
+    if args.trace is not None:
+        write_trace(args.trace, runs)
+    if args.json:
+        print(json.dumps(results_to_json(runs), indent=1))
+    else:
+        print(report)
+    return 0

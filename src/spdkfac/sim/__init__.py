@@ -1,0 +1,89 @@
+"""Discrete-event simulator of distributed K-FAC at cluster scale."""
+
+from __future__ import annotations
+
+from spdkfac.sim.engine import simulate
+from spdkfac.sim.hardware import CommunicationModel, DeviceModel, Hardware
+from spdkfac.sim.measured import MeasuredCompute, measure_compute
+from spdkfac.sim.presets import PRESETS, cpu_preset, paper_preset, resolve_hardware
+from spdkfac.sim.program import (
+    Close,
+    Collective,
+    Compute,
+    Issue,
+    Open,
+    Program,
+    SimulationResult,
+    Wait,
+)
+from spdkfac.sim.report import (
+    SimulationRun,
+    inverse_phase_seconds,
+    markdown_report,
+    results_to_json,
+    write_trace,
+)
+from spdkfac.sim.simulator import (
+    IterationKind,
+    StrategyResult,
+    simulate_strategies,
+    simulate_strategy,
+)
+from spdkfac.sim.strategies import (
+    DEFAULT_STRATEGIES,
+    STRATEGY_TABLE,
+    Strategy,
+    parse_strategies,
+)
+from spdkfac.sim.workload import (
+    FactorHook,
+    GradReady,
+    LayerSpec,
+    Op,
+    Workload,
+    trace_workload,
+)
+from spdkfac.sim.zoo import SIM_MODEL_NAMES, model_by_name, workload_for
+
+__all__ = [
+    "DEFAULT_STRATEGIES",
+    "PRESETS",
+    "SIM_MODEL_NAMES",
+    "STRATEGY_TABLE",
+    "Close",
+    "Collective",
+    "CommunicationModel",
+    "Compute",
+    "DeviceModel",
+    "FactorHook",
+    "GradReady",
+    "Hardware",
+    "Issue",
+    "IterationKind",
+    "LayerSpec",
+    "MeasuredCompute",
+    "Op",
+    "Open",
+    "Program",
+    "SimulationResult",
+    "SimulationRun",
+    "Strategy",
+    "StrategyResult",
+    "Wait",
+    "Workload",
+    "cpu_preset",
+    "inverse_phase_seconds",
+    "markdown_report",
+    "measure_compute",
+    "model_by_name",
+    "paper_preset",
+    "parse_strategies",
+    "resolve_hardware",
+    "results_to_json",
+    "simulate",
+    "simulate_strategies",
+    "simulate_strategy",
+    "trace_workload",
+    "workload_for",
+    "write_trace",
+]

@@ -1,0 +1,147 @@
+"""Seconds of every piece of one simulated iteration, from a workload and its hardware.
+
+Besides the traced forward/backward ops, the factor products and the inverses, a real step
+does bookkeeping on every factor and gradient. It is counted here op by op, as the code
+runs it, in terms of a few elementwise *primitives* (see :data:`PRIMITIVES`); each costs
+``overhead + seconds_per_element · elements`` from ``Hardware.bookkeeping`` when measured
+there, else the device roofline's memory bandwidth:
+
+* hook: ``FactorAccumulator.add`` scales the factor by its batch size, the hand-over
+  divides it back (``mean()``), and the exchange packs the triangle, scales and copies it
+  into its bucket (the last three only with more than one rank);
+* step prologue: the gradients' and, on factor steps, every pending factor's
+  ``isfinite().all()``, then ``mean()`` of every factor again;
+* inside the factor wait: per factor, divide the reduced triangle, unpack it, and check
+  the sum is finite (:func:`~spdkfac.linalg.is_finite`);
+* running average (in place: scale and add), packing inverses on owners, unpacking them
+  on receivers, the KL clip (a dot product, a scale and a copy per layer) and momentum SGD.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from spdkfac.linalg import packed_size
+from spdkfac.sim.hardware import Hardware
+from spdkfac.sim.workload import LayerSpec, Op, Workload
+
+__all__ = ["PRIMITIVES", "WorkloadCosts"]
+
+#: Primitive → (float32 bytes touched per element, ops) for the roofline fallback.
+PRIMITIVES: Final[dict[str, tuple[int, int]]] = {
+    "scale": (8, 1),  # out-of-place or in-place multiply/divide by a scalar
+    "copy": (8, 1),
+    "pack": (8, 1),  # index_select of the upper triangle; elements = packed size
+    "unpack": (12, 3),  # new_empty + two index_copy_; elements = full size
+    "finite_all": (5, 2),  # isfinite(t).all()
+    "finite_sum": (4, 2),  # t.sum(dtype=float64) then isfinite
+    "average": (16, 2),  # ξF + (1−ξ)F_new in place
+    "dot": (8, 2),  # (a * b).sum()
+    "sgd": (20, 3),  # momentum SGD, per parameter tensor
+    "matmul": (0, 2),  # Ĝ ∇ Â; elements = FLOPs (roofline: the device's GEMM rate)
+}
+
+
+@dataclass(frozen=True)
+class WorkloadCosts:
+    """Per-piece seconds of ``workload`` on ``hardware`` with ``world_size`` ranks."""
+
+    workload: Workload
+    hardware: Hardware
+    world_size: int
+
+    def primitive(self, name: str, elements: float) -> float:
+        """Seconds of one call of a bookkeeping primitive on ``elements`` elements."""
+        measured = self.hardware.bookkeeping.get(name)
+        if measured is not None:
+            overhead, per_element = measured
+            return overhead + per_element * elements
+        nbytes, ops = PRIMITIVES[name]
+        device = self.hardware.device
+        if name == "matmul":
+            return ops * device.op_overhead_seconds + device.gemm_seconds(elements)
+        return ops * device.op_overhead_seconds + device.memory_seconds(nbytes * elements)
+
+    def op(self, op: Op) -> float:
+        """A traced forward or backward op."""
+        return self.hardware.device.op_seconds(op)
+
+    def factor(self, layer: LayerSpec, kind: str) -> float:
+        """A hook's work: the product, the hook's Python, the accumulator's scaling and,
+        with more than one rank, the hand-over into the exchange."""
+        dim = layer.a_dim if kind == "A" else layer.g_dim
+        full, packed = dim * dim, packed_size(dim)
+        seconds = self.hardware.factor_seconds(self.workload, layer, kind)
+        seconds += self.hardware.hook_overhead_seconds + self.primitive("scale", full)
+        if self.world_size > 1:
+            seconds += self.primitive("scale", full) + self.primitive("pack", packed)
+            seconds += self.primitive("scale", packed) + self.primitive("copy", packed)
+        return seconds
+
+    def _dims(self) -> list[int]:
+        return [d for layer in self.workload.layers for d in (layer.a_dim, layer.g_dim)]
+
+    def step_prologue(self, factor_step: bool) -> float:
+        """Before the factor wait: gradient checks, and on factor steps the factors'
+        finiteness check and ``mean()``."""
+        layers = self.workload.layers
+        seconds = sum(self.primitive("finite_all", layer.g_dim * layer.a_dim) for layer in layers)
+        if factor_step:
+            for dim in self._dims():
+                seconds += self.primitive("finite_all", dim * dim)
+                seconds += self.primitive("scale", dim * dim)
+        return seconds
+
+    def unpack_factors(self) -> float:
+        """Rebuilding every reduced factor inside the exchange's ``wait()``."""
+        return sum(
+            self.primitive("scale", packed_size(d))
+            + self.primitive("unpack", d * d)
+            + self.primitive("finite_sum", d * d)
+            for d in self._dims()
+        )
+
+    def running_average(self) -> float:
+        """``F ← ξF + (1−ξ)F_new`` for every factor."""
+        return sum(self.primitive("average", d * d) for d in self._dims())
+
+    def inverse(self, dim: int) -> float:
+        """One damped inverse."""
+        return self.hardware.inverse.predict(dim)
+
+    def pack_inverse(self, dim: int) -> float:
+        """The owner packing one inverse into its broadcast buffer."""
+        packed = packed_size(dim)
+        return self.primitive("pack", packed) + self.primitive("copy", packed)
+
+    def unpack_inverse(self, dim: int) -> float:
+        """A receiver rebuilding one broadcast inverse."""
+        return self.primitive("unpack", dim * dim)
+
+    def precondition(self, layer: LayerSpec) -> float:
+        """``V = Ĝ ∇ Â`` (two GEMMs) and the per-layer Python of ``step()`` around it."""
+        seconds = self.hardware.layer_step_overhead_seconds
+        if "matmul" in self.hardware.bookkeeping:
+            return seconds + self.primitive("matmul", layer.precondition_flops)
+        device = self.hardware.device
+        side = min(layer.g_dim, layer.a_dim)
+        return (
+            seconds
+            + 2 * device.op_overhead_seconds
+            + device.gemm_seconds(layer.precondition_flops, side)
+        )
+
+    def kl_clip(self) -> float:
+        """``Σ⟨V, ∇⟩`` over layers, then scaling and writing every gradient back."""
+        return sum(
+            self.primitive("dot", n) + self.primitive("scale", n) + self.primitive("copy", n)
+            for n in (layer.g_dim * layer.a_dim for layer in self.workload.layers)
+        )
+
+    def optimizer(self) -> float:
+        """Momentum SGD over every parameter tensor, ``zero_grad`` and the per-iteration
+        host overhead."""
+        return self.hardware.iteration_overhead_seconds + sum(
+            self.primitive("sgd", numel) for _, numel in self.workload.parameters
+        )

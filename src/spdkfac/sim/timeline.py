@@ -1,0 +1,288 @@
+"""One iteration of a strategy as per-rank engine programs.
+
+Per rank, in order (names are the profiler's ``kfac/<phase>/<layer>``):
+
+1. ``iteration/all`` opens; ``forward_backward/all`` opens; DDP broadcasts the buffers.
+2. Forward, op by op; at a K-FAC layer's pre-hook (before the layer runs) the A product
+   (``factor_compute/<layer>/A``, with the Python hook and, with >1 rank, packing into its
+   bucket). An eager fusion plan issues every bucket that is now complete, in plan order.
+3. Backward, op by op; at a layer's output-gradient hook (before its own backward) the G
+   product; when a parameter's gradient is final DDP issues its gradient buckets, in
+   order, on the ``default`` channel.
+4. ``grad_comm/wait`` until every gradient bucket is reduced; ``forward_backward`` closes.
+5. ``step/all``: gradient gather and checks; on factor steps the rest of the factor
+   buckets and the weights all-reduce, ``factor_comm/wait`` (unpacking included),
+   ``factor_compute/running_average``; otherwise the one-element skip-flag all-reduce.
+6. On inverse steps, :func:`~spdkfac.inversion.invert_factors` as it runs: for each
+   broadcast group in order the owner inverts its members (``inverse_compute/<key>``),
+   packs and issues the broadcast, the others issue at once; then every rank inverts the
+   NCT factors; then ``inverse_comm/wait`` per group (receivers unpack) and
+   ``inverse_comm/failures``, the all-reduce of failure flags.
+7. ``precondition/<layer>``, ``precondition/kl_clip``; ``step`` closes; the optimizer step;
+   ``iteration`` closes.
+
+With ``Hardware.rank_spread`` > 0 the ranks compute at different speeds (stragglers), so
+faster ranks wait at every collective. Pipelined buckets use a ``factor`` channel of their
+own (the real run gives them a second process group; ``Hardware.single_queue`` puts them
+on the ``default`` one, as Horovod would); everything else shares the ``default`` channel.
+Transfers on different channels share each rank's link (see :mod:`spdkfac.sim.engine`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+from spdkfac.linalg import packed_size
+from spdkfac.placement import EVERY_RANK
+from spdkfac.profiling import span_name
+from spdkfac.sim.program import Close, Collective, Compute, Instruction, Issue, Open, Wait
+from spdkfac.sim.strategies import StrategySetup
+from spdkfac.sim.workload import FactorHook, GradReady, Op
+
+__all__ = ["build_iteration"]
+
+
+class _Builder:
+    def __init__(self, setup: StrategySetup) -> None:
+        self.setup = setup
+        self.costs = setup.costs
+        self.world = tuple(range(setup.costs.world_size))
+        broadcast, allreduce = setup.costs.hardware.communication.at(len(self.world))
+        self.models = {"broadcast": broadcast, "allreduce": allreduce}
+        self.collectives: list[Collective] = []
+
+    def collective(self, label: str, channel: str, kind: str, nbytes: float) -> int:
+        model = self.models[kind]
+        self.collectives.append(
+            Collective(label, channel, self.world, model.alpha, model.beta * nbytes)
+        )
+        return len(self.collectives) - 1
+
+
+def _factor_channel(builder: _Builder) -> str:
+    fusion = builder.setup.fusion
+    eager = fusion is not None and fusion.eager
+    return "factor" if eager and not builder.costs.hardware.single_queue else "default"
+
+
+def _issue(
+    builder: _Builder, collective: int, out: list[Instruction], name: str | None = None
+) -> None:
+    """Post ``collective``, paying the host's cost of posting it (attributed to ``name``)."""
+    out += [Compute(builder.costs.hardware.issue_overhead_seconds, name), Issue(collective)]
+
+
+class _Launcher:
+    """Issues buckets strictly in order as their members become ready."""
+
+    def __init__(
+        self, builder: _Builder, buckets: tuple[tuple[str, ...], ...], ids: list[int]
+    ) -> None:
+        self.builder = builder
+        self.buckets = buckets
+        self.ids = ids
+        self.missing = [set(bucket) for bucket in buckets]
+        self.next = 0
+
+    def ready(
+        self, key: str, out: list[Instruction], *, eager: bool = True, name: str | None = None
+    ) -> None:
+        for missing in self.missing[self.next :]:
+            missing.discard(key)
+        if eager:
+            self.flush(out, force=False, name=name)
+
+    def flush(self, out: list[Instruction], *, force: bool, name: str | None = None) -> None:
+        while self.next < len(self.buckets) and (force or not self.missing[self.next]):
+            _issue(self.builder, self.ids[self.next], out, name)
+            self.next += 1
+
+
+def _passes(builder: _Builder, factor_step: bool, out: list[Instruction]) -> _Launcher | None:
+    """Forward and backward; returns the factor buckets' launcher (None: no exchange)."""
+    setup, costs = builder.setup, builder.costs
+    workload = costs.workload
+    multi = len(builder.world) > 1
+    numel = dict(workload.parameters)
+    grad_ids = [
+        builder.collective(
+            f"grad bucket {index}",
+            "default",
+            "allreduce",
+            4.0 * sum(numel[name] for name in bucket),
+        )
+        for index, bucket in enumerate(setup.grad_buckets)
+    ]
+    grads = _Launcher(builder, setup.grad_buckets, grad_ids)
+    kfac = factor_step and setup.strategy.uses_kfac
+    factors: _Launcher | None = None
+    fusion = setup.fusion
+    if kfac and multi and fusion is not None:
+        channel = _factor_channel(builder)
+        dims = {f"{layer.name}/A": layer.a_dim for layer in workload.layers}
+        dims |= {f"{layer.name}/G": layer.g_dim for layer in workload.layers}
+        factor_ids = [
+            builder.collective(
+                f"factor bucket {index}",
+                channel,
+                "allreduce",
+                4.0 * sum(packed_size(dims[key]) for key in bucket),
+            )
+            for index, bucket in enumerate(fusion.buckets)
+        ]
+        factors = _Launcher(builder, fusion.buckets, factor_ids)
+    pending = 0.0
+    handed: set[str] = set()
+    out.append(Open(span_name("forward_backward")))
+    if multi and workload.buffer_bytes and costs.hardware.broadcast_buffers:
+        buffers = builder.collective("buffers", "default", "broadcast", workload.buffer_bytes)
+        _issue(builder, buffers, out)
+        out.append(Wait((buffers,)))
+    for item in (*workload.forward, *workload.backward):
+        if isinstance(item, Op):
+            pending += costs.op(item)
+        elif isinstance(item, GradReady):
+            if multi:
+                out.append(Compute(pending))
+                pending = 0.0
+                grads.ready(item.parameter, out)
+        elif kfac and isinstance(item, FactorHook):
+            out.append(Compute(pending))
+            pending = 0.0
+            key = f"{item.layer}/{item.kind}"
+            seconds = costs.factor(workload.layer(item.layer), item.kind)
+            out.append(Compute(seconds, span_name("factor_compute", key)))
+            # The first call hands the factor over (accumulation_steps=1).
+            if factors is not None and fusion is not None and key not in handed:
+                handed.add(key)
+                name = span_name("factor_compute", key)  # launches happen inside the hook
+                factors.ready(key, out, eager=fusion.eager, name=name)
+    out.append(Compute(pending))
+    if multi:
+        grads.flush(out, force=True)
+        out.append(Wait(tuple(grad_ids), span_name("grad_comm", "wait")))
+    out.append(Close(span_name("forward_backward")))
+    return factors
+
+
+def _factor_phase(builder: _Builder, factors: _Launcher | None, out: list[Instruction]) -> None:
+    costs = builder.costs
+    layers = costs.workload.layers
+    if factors is not None:
+        channel = _factor_channel(builder)
+        factors.flush(out, force=True)  # finish(): the rest, in plan order
+        weights = builder.collective(
+            "factor weights", channel, "allreduce", 8.0 * (2 * len(layers) + 1)
+        )
+        _issue(builder, weights, out)
+        out.append(Wait((*factors.ids, weights), span_name("factor_comm", "wait")))
+        out.append(Compute(costs.unpack_factors(), span_name("factor_comm", "unpack")))
+    out.append(Compute(costs.running_average(), span_name("factor_compute", "running_average")))
+
+
+def _inverse_phase(builder: _Builder, rank: int, out: list[Instruction], ids: list[int]) -> None:
+    setup, costs = builder.setup, builder.costs
+    plan = setup.plan
+    assert plan is not None
+    dims = {spec.key: spec.dim for spec in plan.factors}
+    if len(builder.world) == 1:
+        for spec in plan.factors:
+            out.append(Compute(costs.inverse(spec.dim), span_name("inverse_compute", spec.key)))
+        return
+    for group, collective in zip(setup.groups, ids[:-1], strict=True):
+        if group.owner == rank:
+            for key in group.keys:
+                out.append(Compute(costs.inverse(dims[key]), span_name("inverse_compute", key)))
+            pack = sum(costs.pack_inverse(dim) for dim in group.dims)
+            out.append(Compute(pack, span_name("inverse_compute", "pack")))
+        _issue(builder, collective, out)
+    for spec, owner in zip(plan.factors, plan.owners, strict=True):
+        if owner == EVERY_RANK:
+            out.append(Compute(costs.inverse(spec.dim), span_name("inverse_compute", spec.key)))
+    for group, collective in zip(setup.groups, ids[:-1], strict=True):
+        out.append(Wait((collective,), span_name("inverse_comm", "wait")))
+        if group.owner != rank:
+            out.append(Compute(sum(costs.unpack_inverse(dim) for dim in group.dims)))
+    _issue(builder, ids[-1], out)
+    out.append(Wait((ids[-1],), span_name("inverse_comm", "failures")))
+
+
+def build_iteration(
+    setup: StrategySetup, *, factor_step: bool, inverse_step: bool
+) -> tuple[list[list[Instruction]], list[Collective]]:
+    """Programs of every rank and the collectives for one iteration of ``setup``.
+
+    Args:
+        setup: The strategy's plans (see :func:`~spdkfac.sim.strategies.prepare`).
+        factor_step: Whether factors are computed and exchanged this iteration.
+        inverse_step: Whether inverses are recomputed this iteration.
+    """
+    builder = _Builder(setup)
+    costs = builder.costs
+    workload = costs.workload
+    kfac = setup.strategy.uses_kfac
+    prefix: list[Instruction] = [Open(span_name("iteration"))]
+    factors = _passes(builder, factor_step, prefix)
+    prefix.append(Open(span_name("step")))
+    if kfac:
+        prefix.append(Compute(costs.step_prologue(factor_step)))
+        if factor_step:
+            _factor_phase(builder, factors, prefix)
+        elif len(builder.world) > 1:
+            flag = builder.collective("skip flag", "default", "allreduce", 4.0)
+            _issue(builder, flag, prefix)
+            prefix.append(Wait((flag,)))
+    inverse_ids: list[int] = []
+    if kfac and inverse_step and len(builder.world) > 1:
+        inverse_ids = [
+            builder.collective(
+                f"broadcast {index} from {group.owner}",
+                "default",
+                "broadcast",
+                4.0 * group.elements,
+            )
+            for index, group in enumerate(setup.groups)
+        ]
+        inverse_ids.append(
+            builder.collective(
+                "failure flags", "default", "allreduce", 4.0 * 2 * len(workload.layers)
+            )
+        )
+    suffix: list[Instruction] = []
+    if kfac:
+        for layer in workload.layers:
+            suffix.append(Compute(costs.precondition(layer), span_name("precondition", layer.name)))
+        suffix.append(Compute(costs.kl_clip(), span_name("precondition", "kl_clip")))
+    suffix += [
+        Close(span_name("step")),
+        Compute(costs.optimizer()),
+        Close(span_name("iteration")),
+    ]
+    programs: list[list[Instruction]] = []
+    speeds = rank_speeds(len(builder.world), costs.hardware.rank_spread)
+    for rank in builder.world:
+        middle: list[Instruction] = []
+        if kfac and inverse_step:
+            _inverse_phase(builder, rank, middle, inverse_ids)
+        program = prefix + middle + suffix
+        if speeds[rank] != 1.0:
+            program = [
+                replace(step, seconds=step.seconds * speeds[rank])
+                if isinstance(step, Compute)
+                else step
+                for step in program
+            ]
+        programs.append(program)
+    return programs, builder.collectives
+
+
+def rank_speeds(world_size: int, spread: float) -> list[float]:
+    """Time factor of each rank's computation: ``1 + spread·z`` with ``z`` the normal
+    quantiles at (r + ½)/P, scaled to unit standard deviation (±1 for two ranks)."""
+    if world_size < 2 or spread == 0:
+        return [1.0] * world_size
+    normal = statistics.NormalDist()
+    quantiles = [normal.inv_cdf((rank + 0.5) / world_size) for rank in range(world_size)]
+    scale = statistics.pstdev(quantiles)
+    return [1.0 + spread * z / scale for z in quantiles]
