@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from spdkfac.cli import calibrate, demo
+from spdkfac.cli import bench, calibrate, demo, simulate, train
 
 __all__ = ["build_parser", "main"]
 
@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     demo.add_parser(verbs)
     calibrate.add_parser(verbs)
+    bench.add_parser(verbs)
+    train.add_parser(verbs)
+    simulate.add_parser(verbs)
     return parser
 
 

@@ -1,0 +1,237 @@
+"""The ``spdkfac train`` configuration: one frozen dataclass, validated, file round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spdkfac.config import STRATEGIES
+
+__all__ = [
+    "DATASETS",
+    "LR_SCHEDULES",
+    "OPTIMIZERS",
+    "RESUMABLE_CHANGES",
+    "TrainConfig",
+    "incompatible_fields",
+    "load_config_file",
+]
+
+DATASETS: tuple[str, ...] = ("fashion-mnist", "cifar10", "imagefolder")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "kfac")
+LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
+#: Fields a resumed run may change; any other difference refuses the checkpoint.
+RESUMABLE_CHANGES: frozenset[str] = frozenset(
+    {"epochs", "max_steps", "out_dir", "resume", "checkpoint_every", "threads",
+     "tensorboard", "target_accuracy", "data", "config"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that defines a training run (see ``spdkfac train --help`` for each)."""
+
+    model: str = "resnet20"
+    dataset: str = "fashion-mnist"
+    data: str | None = None
+    image_size: int = 32
+    epochs: int = 10
+    max_steps: int | None = None
+    batch_size: int = 128
+    accumulation_steps: int = 1
+    optimizer: str = "kfac"
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 5e-4
+    lr_schedule: str = "cosine"
+    warmup_epochs: float = 0.0
+    milestones: tuple[float, ...] = ()
+    lr_gamma: float = 0.1
+    poly_power: float = 2.0
+    poly_start_epoch: float = 0.0
+    poly_end_epoch: float | None = None
+    strategy: str = "spd-kfac"
+    damping: float = 0.003
+    damping_initial: float | None = None
+    damping_warmup_steps: int = 0
+    kl_clip: float | None = 0.001
+    factor_decay: float = 0.95
+    factor_update_steps: int = 1
+    inv_update_steps: int = 10
+    stale_switch_step: int | None = None
+    stale_factor_update_steps: int = 10
+    stale_inv_update_steps: int = 100
+    stale_growth_steps: int = 0
+    weight_rescaling: bool = False
+    mixup_alpha: float = 0.0
+    random_erasing: float = 0.0
+    label_smoothing: float = 0.0
+    augment: bool = True
+    seed: int = 0
+    threads: int | None = None
+    out_dir: str = "runs/train"
+    checkpoint_every: int = 0
+    resume: bool = False
+    target_accuracy: float = 0.92
+    tensorboard: bool = True
+    config: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        _choice("dataset", self.dataset, DATASETS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("strategy", self.strategy, tuple(STRATEGIES))
+        for name in ("epochs", "batch_size", "accumulation_steps", "image_size",
+                     "factor_update_steps", "inv_update_steps",
+                     "stale_factor_update_steps", "stale_inv_update_steps"):  # fmt: skip
+            _positive_int(name, getattr(self, name))
+        for name in ("damping_warmup_steps", "checkpoint_every", "seed", "stale_growth_steps"):
+            _non_negative_int(name, getattr(self, name))
+        for name in ("max_steps", "threads", "stale_switch_step"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        for name in ("lr", "damping", "factor_decay", "lr_gamma", "poly_power"):
+            _positive_float(name, getattr(self, name))
+        for name in ("momentum", "weight_decay", "warmup_epochs", "mixup_alpha",
+                     "poly_start_epoch"):  # fmt: skip
+            _non_negative_float(name, getattr(self, name))
+        for name in ("random_erasing", "label_smoothing", "target_accuracy"):
+            value = getattr(self, name)
+            _non_negative_float(name, value)
+            if value > 1:
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        if self.factor_decay > 1:
+            raise ValueError(f"factor_decay must be in (0, 1], got {self.factor_decay!r}")
+        if self.kl_clip is not None:
+            _positive_float("kl_clip", self.kl_clip)
+        if self.damping_initial is not None:
+            _positive_float("damping_initial", self.damping_initial)
+        if self.poly_end_epoch is not None:
+            _positive_float("poly_end_epoch", self.poly_end_epoch)
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov needs momentum > 0, got momentum=0")
+        for milestone in self.milestones:
+            _positive_float("milestones", milestone)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (tuples as lists), for checkpoints and TOML."""
+        values = dataclasses.asdict(self)
+        values["milestones"] = list(self.milestones)
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError`` naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown training option(s): {', '.join(unknown)}")
+        cleaned = dict(values)
+        if "milestones" in cleaned:
+            cleaned["milestones"] = tuple(cleaned["milestones"])
+        return cls(**cleaned)
+
+    def to_toml(self) -> str:
+        """The configuration as a TOML document (None values are omitted)."""
+        lines = []
+        for key, value in self.to_dict().items():
+            if value is None or key == "config":
+                continue
+            lines.append(f"{key} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def incompatible_fields(saved: dict[str, Any], current: TrainConfig) -> list[str]:
+    """Fields whose value differs between a checkpoint's config and this run's."""
+    now = current.to_dict()
+    return sorted(
+        key
+        for key in set(saved) | set(now)
+        if key not in RESUMABLE_CHANGES and saved.get(key) != now.get(key)
+    )
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file of training options.
+
+    Raises:
+        FileNotFoundError: The file does not exist (the message names it).
+        ValueError: It cannot be parsed, or YAML is asked for without PyYAML installed.
+    """
+    source = Path(path)
+    if not source.is_file():
+        raise FileNotFoundError(f"config file {source} does not exist")
+    text = source.read_text()
+    try:
+        if source.suffix in (".yaml", ".yml"):
+            try:
+                import yaml  # type: ignore[import-untyped]
+            except ImportError:
+                raise ValueError(
+                    f"{source}: YAML configs need PyYAML (pip install pyyaml)"
+                ) from None
+            loaded = yaml.safe_load(text) or {}
+        else:
+            loaded = _parse_toml(text)
+    except ValueError:
+        raise
+    except Exception as error:
+        raise ValueError(f"{source}: cannot be parsed ({error})") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{source}: expected a table of options, got {type(loaded).__name__}")
+    return {str(key).replace("-", "_"): value for key, value in loaded.items()}
+
+
+def _parse_toml(text: str) -> Any:
+    # tomllib is in the standard library from Python 3.11; tomli is its 3.10 backport.
+    for name in ("tomllib", "tomli"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        return module.loads(text)
+    raise ValueError("TOML configs on Python 3.10 need tomli (pip install tomli)")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def _positive_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _non_negative_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

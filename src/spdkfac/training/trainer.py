@@ -1,0 +1,384 @@
+"""The training loop of ``spdkfac train``: data parallel SGD or K-FAC, resumable bit for bit.
+
+All randomness of a step (augmentation, mixup, dropout) is drawn from generators seeded
+by ``(seed, rank, step)``, and the data order from ``DistributedSampler(seed)`` and the
+epoch, so a resumed run only needs the step counter and the running-mixup batch to
+continue exactly where the checkpoint left off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import BatchSampler, DistributedSampler
+
+from spdkfac.cli.progress import ProgressBar
+from spdkfac.comm import Communicator, barrier, destroy_distributed, init_distributed
+from spdkfac.data.augment import RunningMixup, random_crop_flip, random_erasing, soft_cross_entropy
+from spdkfac.preconditioner import KFACPreconditioner
+from spdkfac.schedules import apply_to_optimizer, rescale_weights_
+from spdkfac.training.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    atomic_torch_save,
+    atomic_write_bytes,
+    latest_checkpoint,
+    load_common,
+    load_rank_state,
+    publish_latest,
+    step_directory,
+)
+from spdkfac.training.config import TrainConfig, incompatible_fields
+from spdkfac.training.setup import build_schedules, load_datasets, make_model
+
+__all__ = ["EpochMetrics", "TrainSummary", "train"]
+
+_KEEP_CHECKPOINTS = 2
+
+
+@dataclass
+class EpochMetrics:
+    """One row of ``metrics.csv``."""
+
+    epoch: int
+    step: int
+    train_loss: float
+    test_accuracy: float
+    epoch_seconds: float
+    train_seconds: float
+    lr: float
+    skipped_steps: int
+
+
+@dataclass
+class TrainSummary:
+    """What a run achieved."""
+
+    best_accuracy: float
+    final_accuracy: float
+    epochs_to_target: int | None
+    seconds_to_target: float | None
+    median_iteration_ms: float
+    steps: int
+    world_size: int
+    metrics: list[EpochMetrics] = field(default_factory=list)
+
+
+def _seed(config: TrainConfig, rank: int, step: int) -> int:
+    return (config.seed * 1_000_003 + rank * 7_919 + step * 104_729) % (2**63 - 1)
+
+
+class _Run:
+    """State of one training run on one rank."""
+
+    def __init__(self, config: TrainConfig, comm: Communicator, log: Callable[[str], None]):
+        self.config = config
+        self.comm = comm
+        self.log = log if comm.rank == 0 else (lambda _: None)
+        self.out_dir = Path(config.out_dir)
+        self.checkpoints = self.out_dir / "checkpoints"
+        self.train_set, self.test_set, self.num_classes, channels, size = load_datasets(config)
+        torch.manual_seed(config.seed)
+        self.module = make_model(config, self.num_classes, channels, size)
+        self.model: nn.Module = self.module
+        if comm.world_size > 1:
+            self.model = nn.parallel.DistributedDataParallel(self.module)
+        self.sampler: DistributedSampler[Any] = DistributedSampler(
+            self.train_set, num_replicas=comm.world_size, rank=comm.rank, seed=config.seed
+        )
+        self.steps_per_epoch = -(-len(self.sampler) // config.batch_size)
+        self.lr_fn, damping, factor_steps, inv_steps = build_schedules(config, self.steps_per_epoch)
+        self.optimizer = torch.optim.SGD(
+            self.model.parameters(),
+            lr=self.lr_fn(0),
+            momentum=config.momentum,
+            nesterov=config.nesterov,
+            weight_decay=config.weight_decay,
+        )
+        self.precond: KFACPreconditioner | None = None
+        if config.optimizer == "kfac":
+            self.precond = KFACPreconditioner(
+                self.model,
+                damping=damping,
+                factor_decay=config.factor_decay,
+                factor_update_steps=factor_steps,
+                inv_update_steps=inv_steps,
+                kl_clip=config.kl_clip,
+                lr=self.lr_fn,
+                strategy=config.strategy,
+                accumulation_steps=config.accumulation_steps,
+            )
+        self.mixup = RunningMixup(config.mixup_alpha) if config.mixup_alpha > 0 else None
+        self.step = 0
+        self.train_seconds = 0.0
+        self.iteration_seconds: list[float] = []
+        self.metrics: list[EpochMetrics] = []
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        directory = step_directory(self.checkpoints, self.step)
+        if self.comm.rank == 0:
+            atomic_torch_save(
+                directory / "common.pt",
+                {
+                    "format": CHECKPOINT_FORMAT,
+                    "config": self.config.to_dict(),
+                    "world_size": self.comm.world_size,
+                    "step": self.step,
+                    "train_seconds": self.train_seconds,
+                    "metrics": [asdict(m) for m in self.metrics],
+                    "model": self.module.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "preconditioner": None if self.precond is None else self.precond.state_dict(),
+                },
+            )
+        rank_state = {"format": CHECKPOINT_FORMAT, "mixup": self._mixup_state()}
+        atomic_torch_save(directory / f"rank-{self.comm.rank}.pt", rank_state)
+        barrier(self.comm)  # every rank's file is on disk before the pointer moves
+        if self.comm.rank == 0:
+            publish_latest(self.checkpoints, self.step)
+            self._prune()
+        barrier(self.comm)
+
+    def _mixup_state(self) -> dict[str, Any] | None:
+        return None if self.mixup is None else self.mixup.state_dict()
+
+    def _prune(self) -> None:
+        old = sorted(p for p in self.checkpoints.glob("step-*") if p.is_dir())
+        for directory in old[:-_KEEP_CHECKPOINTS]:
+            for item in directory.iterdir():
+                item.unlink()
+            directory.rmdir()
+
+    def restore(self) -> None:
+        directory = latest_checkpoint(self.checkpoints)
+        if directory is None:
+            self.log(f"no checkpoint in {self.checkpoints}; starting from scratch")
+            return
+        common = load_common(directory)
+        differing = incompatible_fields(common["config"], self.config)
+        if differing:
+            raise CheckpointError(
+                f"{directory}: written by an incompatible configuration (differs in "
+                f"{', '.join(differing)}); start a new --out-dir or use the same options"
+            )
+        self.module.load_state_dict(common["model"])
+        self.optimizer.load_state_dict(common["optimizer"])
+        if self.precond is not None and common["preconditioner"] is not None:
+            self.precond.load_state_dict(common["preconditioner"])
+        self.step = int(common["step"])
+        self.train_seconds = float(common["train_seconds"])
+        self.metrics = [EpochMetrics(**row) for row in common["metrics"]]
+        rank_state = load_rank_state(directory, self.comm.rank)
+        if self.mixup is not None and rank_state is not None and rank_state["mixup"] is not None:
+            self.mixup.load_state_dict(rank_state["mixup"])
+        if common["world_size"] != self.comm.world_size:
+            self.log(
+                f"resuming a {common['world_size']}-rank checkpoint on {self.comm.world_size} "
+                "ranks: factors are replicated and inverse placement is re-planned, but the "
+                "data order differs, so the run is not bit-identical to the original"
+            )
+        self.log(f"resumed from {directory} at step {self.step}")
+
+    # ------------------------------------------------------------------ one step
+    def _batch(self, indices: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
+        config = self.config
+        images, labels = (t[indices] for t in self.train_set.tensors)
+        generator = torch.Generator().manual_seed(_seed(config, self.comm.rank, self.step))
+        torch.manual_seed(_seed(config, self.comm.rank, self.step) + 1)
+        if config.augment:
+            images = random_crop_flip(images, generator, padding=4 if images.shape[-1] >= 32 else 2)
+        if config.random_erasing > 0:
+            images = random_erasing(images, generator, p=config.random_erasing)
+        soft = None
+        if self.mixup is not None:
+            images, soft = self.mixup(images, labels, generator, num_classes=self.num_classes)
+        return images, labels, soft
+
+    def _loss(self, logits: Tensor, labels: Tensor, soft: Tensor | None) -> Tensor:
+        smoothing = self.config.label_smoothing
+        if soft is not None:
+            return soft_cross_entropy(logits, soft, label_smoothing=smoothing)
+        return F.cross_entropy(logits, labels, label_smoothing=smoothing)
+
+    def train_step(self, indices: list[int]) -> float:
+        config = self.config
+        images, labels, soft = self._batch(indices)
+        self.optimizer.zero_grad(set_to_none=True)
+        chunks = torch.arange(len(labels)).chunk(config.accumulation_steps)
+        total = 0.0
+        for index, part in enumerate(chunks):
+            last = index == len(chunks) - 1
+            ddp = (
+                self.model if isinstance(self.model, nn.parallel.DistributedDataParallel) else None
+            )
+            # Gradients are all-reduced once, on the last pass (DDP.no_sync before it).
+            with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+                logits = self.model(images[part])
+                loss = self._loss(logits, labels[part], None if soft is None else soft[part])
+                (loss / len(chunks)).backward()
+            total += float(loss.detach()) / len(chunks)
+        applied = self.precond.step() if self.precond is not None else True
+        if applied:
+            self.optimizer.step()
+            if config.weight_rescaling:
+                rescale_weights_(self.module)
+        self.step += 1
+        # torch.optim.SGD applies the lr outside its momentum buffer, which is exactly
+        # Osawa et al.'s momentum-proportional-to-lr rule: only the lr needs setting.
+        apply_to_optimizer(self.optimizer, self.step, lr=self.lr_fn)
+        return total
+
+    def evaluate(self) -> float:
+        self.model.eval()
+        counts = torch.zeros(2, dtype=torch.float64)
+        images, labels = self.test_set.tensors
+        shard = torch.arange(self.comm.rank, len(labels), self.comm.world_size)
+        with torch.no_grad():
+            for start in range(0, len(shard), 1000):
+                part = shard[start : start + 1000]
+                counts[0] += int((self.model(images[part]).argmax(1) == labels[part]).sum())
+                counts[1] += len(part)
+        self.model.train()
+        self.comm.all_reduce_sum(counts).wait()
+        return float(counts[0] / counts[1])
+
+
+def _write_outputs(run: _Run, summary: TrainSummary) -> None:
+    out = run.out_dir
+    with (out / "metrics.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(asdict(run.metrics[0]).keys()))
+        writer.writeheader()
+        for row in run.metrics:
+            writer.writerow(asdict(row))
+    atomic_write_bytes(out / "summary.json", json.dumps(asdict(summary), indent=2).encode())
+
+
+def _tensorboard(run: _Run) -> Any:
+    if not run.config.tensorboard or run.comm.rank != 0:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        run.log("TensorBoard logging skipped: the tensorboard package is not installed")
+        return None
+    return SummaryWriter(log_dir=str(run.out_dir / "tensorboard"))
+
+
+def train(config: TrainConfig, *, log: Callable[[str], None] = print) -> TrainSummary:
+    """Run (or resume) a training run on this process's rank; rank 0 writes the outputs."""
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    comm = init_distributed()
+    try:
+        run = _Run(config, comm, log)
+        if comm.rank == 0:
+            run.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(run.out_dir / "config.toml", config.to_toml().encode())
+        if config.resume:
+            run.restore()
+        return _loop(run)
+    finally:
+        destroy_distributed()
+
+
+def _loop(run: _Run) -> TrainSummary:
+    config, comm = run.config, run.comm
+    board = _tensorboard(run)
+    total_steps = config.epochs * run.steps_per_epoch
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
+    run.log(
+        f"{config.optimizer}{'/' + config.strategy if config.optimizer == 'kfac' else ''} "
+        f"{config.model} on {config.dataset}: {comm.world_size} worker(s) x batch "
+        f"{config.batch_size}, {run.steps_per_epoch} steps/epoch, {total_steps} steps"
+    )
+    while run.step < total_steps:
+        epoch, position = divmod(run.step, run.steps_per_epoch)
+        run.sampler.set_epoch(epoch)
+        batches = list(BatchSampler(run.sampler, config.batch_size, drop_last=False))
+        bar = ProgressBar(len(batches), f"epoch {epoch + 1}", enabled=comm.rank == 0)
+        started = time.perf_counter()
+        losses = []
+        epoch_seconds = 0.0
+        for indices in batches[position:]:
+            if run.step >= total_steps:
+                break
+            tick = time.perf_counter()
+            losses.append(run.train_step(indices))
+            run.iteration_seconds.append(time.perf_counter() - tick)
+            epoch_seconds += run.iteration_seconds[-1]
+            bar.update(run.step - epoch * run.steps_per_epoch, f"loss {losses[-1]:.4f}")
+            if config.checkpoint_every and run.step % config.checkpoint_every == 0:
+                run.train_seconds += time.perf_counter() - started
+                run.save()
+                started = time.perf_counter()
+        run.train_seconds += time.perf_counter() - started
+        if run.step % run.steps_per_epoch == 0 or run.step >= total_steps:
+            mean = comm.all_reduce_average(torch.tensor([sum(losses) / max(len(losses), 1)]))
+            accuracy = run.evaluate()
+            row = EpochMetrics(
+                epoch=-(-run.step // run.steps_per_epoch),
+                step=run.step,
+                train_loss=float(mean.wait()),
+                test_accuracy=accuracy,
+                epoch_seconds=epoch_seconds,
+                train_seconds=run.train_seconds,
+                lr=float(run.optimizer.param_groups[0]["lr"]),
+                skipped_steps=0 if run.precond is None else run.precond.skipped_steps,
+            )
+            run.metrics.append(row)
+            bar.close(f"loss {row.train_loss:.4f} test acc {accuracy:.4f}")
+            if board is not None:
+                for key in ("train_loss", "test_accuracy", "lr"):
+                    board.add_scalar(key, getattr(row, key), row.epoch)
+    run.save()
+    summary = _summary(run)
+    if comm.rank == 0 and run.metrics:
+        _write_outputs(run, summary)
+        run.log(_format_summary(summary, config.target_accuracy))
+    if board is not None:
+        board.close()
+    return summary
+
+
+def _summary(run: _Run) -> TrainSummary:
+    accuracies = [m.test_accuracy for m in run.metrics]
+    reached = [m for m in run.metrics if m.test_accuracy >= run.config.target_accuracy]
+    return TrainSummary(
+        best_accuracy=max(accuracies, default=0.0),
+        final_accuracy=accuracies[-1] if accuracies else 0.0,
+        epochs_to_target=reached[0].epoch if reached else None,
+        seconds_to_target=reached[0].train_seconds if reached else None,
+        median_iteration_ms=1000 * statistics.median(run.iteration_seconds)
+        if run.iteration_seconds
+        else 0.0,
+        steps=run.step,
+        world_size=run.comm.world_size,
+        metrics=run.metrics,
+    )
+
+
+def _format_summary(summary: TrainSummary, target: float) -> str:
+    reached = (
+        f"reached {target:.2%} at epoch {summary.epochs_to_target} after "
+        f"{summary.seconds_to_target:.1f} s of training"
+        if summary.epochs_to_target is not None
+        else f"did not reach {target:.2%}"
+    )
+    return (
+        f"best test accuracy {summary.best_accuracy:.4f}, final {summary.final_accuracy:.4f}; "
+        f"{reached}; median iteration {summary.median_iteration_ms:.1f} ms over "
+        f"{summary.steps} steps"
+    )
