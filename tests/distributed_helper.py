@@ -31,6 +31,9 @@ def _worker(
 ) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    # torch read TORCH_DISTRIBUTED_DEBUG when it was imported (while unpickling this call),
+    # before ``env`` was applied: read it again.
+    dist.set_debug_level_from_env()
     torch.set_num_threads(1)
     try:
         dist.init_process_group(

@@ -9,10 +9,29 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ActivationCapture"]
+__all__ = ["ActivationCapture", "PairedCapture"]
 
 InputSink = Callable[[str, nn.Module, Tensor], None]
 GradSink = Callable[[str, nn.Module, Tensor], None]
+PairSink = Callable[[str, nn.Module, Tensor, Tensor], None]
+
+
+def _captures(module: nn.Module, args: tuple[Any, ...], enabled: Callable[[], bool]) -> bool:
+    """Whether this forward call is captured: training, autograd on, enabled, a tensor input."""
+    if not (module.training and torch.is_grad_enabled() and enabled()):
+        return False
+    return bool(args) and isinstance(args[0], Tensor)
+
+
+def _on_output_grad(output: Any, sink: Callable[[Tensor], None]) -> None:
+    """Call ``sink(grad)`` with the detached gradient of ``output`` during backward."""
+    if not isinstance(output, Tensor) or not output.requires_grad:
+        return
+
+    def grad_hook(grad: Tensor) -> None:
+        sink(grad.detach())
+
+    output.register_hook(grad_hook)
 
 
 class ActivationCapture:
@@ -53,9 +72,7 @@ class ActivationCapture:
 
     def _pre_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if not (module.training and torch.is_grad_enabled() and self._enabled()):
-                return
-            if not args or not isinstance(args[0], Tensor):
+            if not _captures(module, args, self._enabled):
                 return
             self._active.add(name)
             self._on_input(name, module, args[0].detach())
@@ -67,13 +84,7 @@ class ActivationCapture:
             if name not in self._active:
                 return
             self._active.discard(name)
-            if not isinstance(output, Tensor) or not output.requires_grad:
-                return
-
-            def grad_hook(grad: Tensor) -> None:
-                self._on_grad_output(name, module, grad.detach())
-
-            output.register_hook(grad_hook)
+            _on_output_grad(output, lambda grad: self._on_grad_output(name, module, grad))
 
         return hook
 
@@ -83,3 +94,48 @@ class ActivationCapture:
             handle.remove()
         self._handles.clear()
         self._active.clear()
+
+
+class PairedCapture:
+    """Hands each captured forward call's input together with its output gradient to a sink.
+
+    For layers whose curvature needs both at once (BatchNorm's ``Σₛ g·x̂``). The input is
+    bound to the hook on that call's output, so a layer used several times before one
+    backward (or gradient accumulation) pairs every gradient with its own input; holding
+    the detached input costs no memory, autograd keeps it for the layer's backward anyway.
+    Same conditions as :class:`ActivationCapture`: training mode, autograd enabled and
+    ``enabled()`` True.
+
+    Args:
+        modules: Name → module to capture.
+        on_pair: Called as ``on_pair(name, module, input, grad_output)`` during backward.
+        enabled: Called once per forward to decide whether to capture it.
+    """
+
+    def __init__(
+        self,
+        modules: Mapping[str, nn.Module],
+        *,
+        on_pair: PairSink,
+        enabled: Callable[[], bool],
+    ) -> None:
+        self._on_pair = on_pair
+        self._enabled = enabled
+        self._handles = [
+            module.register_forward_hook(self._hook(name)) for name, module in modules.items()
+        ]
+
+    def _hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if not _captures(module, args, self._enabled):
+                return
+            inputs = args[0].detach()
+            _on_output_grad(output, lambda grad: self._on_pair(name, module, inputs, grad))
+
+        return hook
+
+    def remove(self) -> None:
+        """Remove every hook this object installed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -11,6 +11,7 @@ from torch import nn
 
 from spdkfac.comm.fusion import FACTOR_EXCHANGES
 from spdkfac.layers import FactorOptions
+from spdkfac.layers.batchnorm import BATCHNORM_MODES
 from spdkfac.linalg import INVERSE_METHODS
 from spdkfac.placement import PLACEMENTS
 
@@ -130,6 +131,11 @@ class KFACConfig:
             loss is assumed divided by ``accumulation_steps``, as in the usual recipe.
         max_inverse_failures: Consecutive inverse updates with a failed inversion that are
             tolerated (the previous inverse is kept); one more raises on every rank.
+        batchnorm: Curvature for the scale and shift of BatchNorm layers (Osawa et al.):
+            ``"diagonal"`` (their approximation), ``"unit-wise"`` (each channel's 2×2
+            block over (γ_c, β_c)) or None (plain gradient, the default).
+        batchnorm_damping_multiplier: ρ_BN: BatchNorm blocks are damped with ρ_BN·γ
+            (Osawa et al. use ρ_BN > 1; their code's default is 16).
     """
 
     damping: FloatSchedule = 0.003
@@ -149,6 +155,8 @@ class KFACConfig:
     factor_comm_dtype: torch.dtype | None = None
     accumulation_steps: int = 1
     max_inverse_failures: int = 3
+    batchnorm: str | None = None
+    batchnorm_damping_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
         if not callable(self.damping):
@@ -217,6 +225,11 @@ class KFACConfig:
             )
         if self.placement is not None and self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.batchnorm is not None and self.batchnorm not in BATCHNORM_MODES:
+            raise ValueError(
+                f"batchnorm must be one of {BATCHNORM_MODES} or None, got {self.batchnorm!r}"
+            )
+        _check_positive_float("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
 
     @property
     def inverse_placement(self) -> str:
@@ -243,6 +256,10 @@ class KFACConfig:
     def damping_at(self, step: int) -> float:
         """Damping γ at ``step``."""
         return resolve_float("damping", self.damping, step, allow_zero=False)
+
+    def batchnorm_damping_at(self, step: int) -> float:
+        """Damping ρ_BN·γ of the BatchNorm blocks at ``step``."""
+        return self.batchnorm_damping_multiplier * self.damping_at(step)
 
     def lr_at(self, step: int) -> float:
         """Learning rate η used by the KL clip at ``step``."""

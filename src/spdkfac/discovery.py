@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from torch import Tensor, nn
 
 from spdkfac.config import SkipEntry
 from spdkfac.curvature import LayerState
 from spdkfac.layers import FactorOptions, lookup
+from spdkfac.layers.batchnorm import is_supported_batchnorm
 
-__all__ = ["discover_layers", "unwrap_model"]
+__all__ = ["discover_batchnorm_layers", "discover_layers", "unwrap_model"]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -42,13 +43,15 @@ def discover_layers(
     model: nn.Module,
     skip: tuple[SkipEntry, ...],
     options: FactorOptions | None = None,
+    *,
+    handled: Collection[str] = (),
 ) -> dict[str, LayerState]:
     """Registered layers in ``named_modules`` order; warns once about unsupported ones.
 
     A layer is registered when an adapter supports it, its weight requires grad, and it is
     not skipped; its adapter computes factors as ``options`` say. Other modules with
     trainable parameters of their own are listed in one warning (they keep their plain
-    gradient).
+    gradient), except those named in ``handled`` (curvature kept elsewhere).
 
     Raises:
         ValueError: A name in ``skip`` matches no module, or nothing is left to register.
@@ -70,7 +73,7 @@ def discover_layers(
                     adapter = adapter.with_options(options)
                 layers[name] = LayerState(name=name, module=module, adapter=adapter)
             continue
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
+        if name not in handled and any(p.requires_grad for p in module.parameters(recurse=False)):
             unsupported[type(module).__name__] += 1
     if not layers:
         raise ValueError(
@@ -85,3 +88,17 @@ def discover_layers(
             stacklevel=4,
         )
     return layers
+
+
+def discover_batchnorm_layers(
+    model: nn.Module, skip: tuple[SkipEntry, ...]
+) -> dict[str, nn.Module]:
+    """BatchNorm layers with a trainable affine scale outside ``skip``, in ``named_modules`` order.
+
+    See :func:`spdkfac.layers.batchnorm.is_supported_batchnorm` for what qualifies.
+    """
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if is_supported_batchnorm(module) and not _is_skipped(name, module, skip)
+    }

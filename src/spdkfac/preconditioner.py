@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from spdkfac.agreement import check_agreement, shared_cost_model
-from spdkfac.capture import ActivationCapture
+from spdkfac.batchnorm_curvature import BatchNormCurvature
+from spdkfac.capture import ActivationCapture, PairedCapture
 from spdkfac.comm import Communicator, make_communicator
 from spdkfac.comm.fusion import FusionPlan
 from spdkfac.comm.pipeline import FactorPipeline
@@ -25,7 +26,7 @@ from spdkfac.curvature import (
     load_layer_states,
     running_average,
 )
-from spdkfac.discovery import discover_layers, unwrap_model
+from spdkfac.discovery import discover_batchnorm_layers, discover_layers, unwrap_model
 from spdkfac.inversion import invert_factors
 from spdkfac.layers import FactorOptions, precondition
 from spdkfac.linalg import InverseMethod
@@ -92,6 +93,13 @@ class KFACPreconditioner:
         grad_scaler: The ``torch.amp.GradScaler`` scaling the loss, if any: G factors are
             unscaled by it. Call ``scaler.unscale_(optimizer)`` before :meth:`step`.
         profile: Record ``kfac/<phase>/<layer>`` spans in :attr:`profiler` (off: no cost).
+        batchnorm: Osawa et al.'s curvature for BatchNorm scale and shift: ``"diagonal"``
+            (their diagonal Fisher), ``"unit-wise"`` (each channel's 2×2 block over
+            (γ_c, β_c)) or None (default: BatchNorm keeps its plain gradient). The blocks
+            follow the factors' refresh intervals and running average, are all-reduced in
+            one extra collective on factor steps, and are inverted on every rank (closed
+            form; see :mod:`spdkfac.batchnorm_curvature`).
+        batchnorm_damping_multiplier: ρ_BN > 0: BatchNorm blocks are damped with ρ_BN·γ.
 
     Raises:
         ValueError: On an invalid option (naming it and its value), a model without any
@@ -124,11 +132,23 @@ class KFACPreconditioner:
         max_inverse_failures: int = 3,
         grad_scaler: torch.amp.GradScaler | None = None,
         profile: bool = False,
+        batchnorm: str | None = None,
+        batchnorm_damping_multiplier: float = 1.0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if isinstance(skip_layers, (str, type)):
             raise ValueError(f"skip_layers must be a sequence, got {skip_layers!r}")
+        try:
+            skip_entries = tuple(skip_layers)
+        except TypeError:
+            raise ValueError(f"skip_layers must be a sequence, got {skip_layers!r}") from None
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise ValueError(
+                f"grad_scaler must be a torch.amp.GradScaler or None, got {grad_scaler!r}"
+            )
+        if not isinstance(profile, bool):
+            raise ValueError(f"profile must be a bool, got {profile!r}")
         if cost_model is not None and not isinstance(cost_model, (CostModel, str, os.PathLike)):
             raise TypeError(
                 f"cost_model must be a CostModel, a path to a calibration JSON or None, "
@@ -142,7 +162,7 @@ class KFACPreconditioner:
             kl_clip=kl_clip,
             lr=lr,
             inverse_method=inverse_method,
-            skip_layers=tuple(skip_layers),
+            skip_layers=skip_entries,
             strategy=strategy,
             placement=placement,
             factor_options=factor_options or FactorOptions(),
@@ -152,6 +172,8 @@ class KFACPreconditioner:
             bucket_cap_mb=bucket_cap_mb,
             fusion_warmup_steps=fusion_warmup_steps,
             max_inverse_failures=max_inverse_failures,
+            batchnorm=batchnorm,
+            batchnorm_damping_multiplier=batchnorm_damping_multiplier,
         )
         self._communicator: Communicator = (
             process_group
@@ -165,14 +187,30 @@ class KFACPreconditioner:
             rank=self._communicator.rank,
             device=None if first is None else first.device,
         )
+        normalization = (
+            discover_batchnorm_layers(self._model, self.config.skip_layers)
+            if self.config.batchnorm is not None
+            else {}
+        )
+        self._batchnorm = (
+            BatchNormCurvature(normalization, mode=self.config.batchnorm)
+            if self.config.batchnorm is not None and normalization
+            else None
+        )
         try:
             layers: dict[str, LayerState] | None = discover_layers(
-                self._model, self.config.skip_layers, self.config.factor_options
+                self._model,
+                self.config.skip_layers,
+                self.config.factor_options,
+                handled=normalization.keys(),
             )
             local_error: ValueError | None = None
         except ValueError as error:
             layers, local_error = None, error
-        check_agreement(self._communicator, self.config.fingerprint(), layers, local_error)
+        fingerprint = self.config.fingerprint()
+        if self._batchnorm is not None:
+            fingerprint += f"|batchnorm:{self._batchnorm.describe()}"
+        check_agreement(self._communicator, fingerprint, layers, local_error)
         assert layers is not None
         self._layers = layers
         self._forward_order: list[str] = []
@@ -219,6 +257,15 @@ class KFACPreconditioner:
             on_grad_output=self._capture_grad_output,
             enabled=self._capturing,
         )
+        self._batchnorm_capture = (
+            None
+            if self._batchnorm is None
+            else PairedCapture(
+                self._batchnorm.modules,
+                on_pair=self._capture_batchnorm,
+                enabled=self._capturing,
+            )
+        )
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -257,6 +304,18 @@ class KFACPreconditioner:
         state = self._layers[name]
         return state.a_inverse, state.g_inverse
 
+    @property
+    def batchnorm_layers(self) -> list[str]:
+        """BatchNorm layers given curvature (empty unless the ``batchnorm`` option is set)."""
+        return [] if self._batchnorm is None else self._batchnorm.names
+
+    def batchnorm_blocks(self, name: str) -> tuple[Tensor | None, Tensor | None]:
+        """A BatchNorm layer's running-average ``[C, 3]`` blocks ``(F_γγ, F_γβ, F_ββ)`` and
+        their damped inverses (None before the first update)."""
+        if self._batchnorm is None or name not in self._batchnorm.names:
+            raise KeyError(f"{name!r} is not a BatchNorm layer with curvature")
+        return self._batchnorm.blocks(name)
+
     # ------------------------------------------------------------------ capture sinks
     def _capturing(self) -> bool:
         return self.config.is_factor_step(self._step)
@@ -291,6 +350,22 @@ class KFACPreconditioner:
                 factor.mul_(float(steps * steps))
             state.g_pending.add(factor, weight)
             self._hand_over_if_final(f"{name}/G", state.g_pending)
+
+    def _capture_batchnorm(
+        self, name: str, module: nn.Module, inputs: Tensor, grad: Tensor
+    ) -> None:
+        assert self._batchnorm is not None
+        with (
+            self.profiler.span(span_name("factor_compute", f"{name}/BN")),
+            _no_autocast(grad),
+        ):
+            # The same corrections as G: the block entries are products of two gradients.
+            scale = float(self.config.accumulation_steps**2)
+            if self._grad_scaler is not None:
+                if self._grad_scale is None:
+                    self._grad_scale = float(self._grad_scaler.get_scale())
+                scale /= self._grad_scale * self._grad_scale
+            self._batchnorm.capture(name, module, inputs, grad, scale)
 
     def _hand_over_if_final(self, key: str, pending: FactorAccumulator) -> None:
         """After the last accumulation pass, give the factor to the (pipelined) exchange."""
@@ -349,7 +424,8 @@ class KFACPreconditioner:
             for name, state in self._layers.items()
             if (grad := state.adapter.gradient(state.module)) is not None
         }
-        usable = _all_finite(gradients.values())
+        normalization = {} if self._batchnorm is None else self._batchnorm.gradients()
+        usable = _all_finite([*gradients.values(), *normalization.values()])
         if self.config.is_factor_step(step):
             usable = self._update_factors(local_ok=usable) and usable
         elif self._communicator.world_size > 1:
@@ -358,6 +434,9 @@ class KFACPreconditioner:
             usable = float(self._communicator.all_reduce_max(flag).wait()) == 0.0
         if self.config.is_inverse_step(step):
             self._update_inverses(self.config.damping_at(step))
+            if self._batchnorm is not None:
+                with self.profiler.span(span_name("inverse_compute", "batchnorm")):
+                    self._batchnorm.update_inverses(self.config.batchnorm_damping_at(step))
         if not usable:
             return self._skip()
         preconditioned = {}
@@ -368,8 +447,15 @@ class KFACPreconditioner:
                     preconditioned[name] = precondition(grad, state.a_inverse, state.g_inverse)
                 else:
                     preconditioned[name] = grad
+        normalized: dict[str, Tensor] = {}
+        if self._batchnorm is not None:
+            with self.profiler.span(span_name("precondition", "batchnorm")):
+                normalized = self._batchnorm.precondition(normalization)
         with self.profiler.span(span_name("precondition", "kl_clip")):
-            scale = self._kl_clip_scale(gradients, preconditioned, step)
+            # BatchNorm and Linear/Conv names are different modules, so the keys are unique.
+            scale = self._kl_clip_scale(
+                {**gradients, **normalization}, {**preconditioned, **normalized}, step
+            )
             if scale is None:
                 return self._skip()
             for name, matrix in preconditioned.items():
@@ -377,6 +463,9 @@ class KFACPreconditioner:
                 state.adapter.set_gradient(
                     state.module, matrix.mul_(scale) if scale != 1.0 else matrix
                 )
+            for name, matrix in normalized.items():
+                assert self._batchnorm is not None
+                self._batchnorm.set_gradient(name, matrix.mul_(scale) if scale != 1.0 else matrix)
         return True
 
     def _skip(self) -> bool:
@@ -395,10 +484,17 @@ class KFACPreconditioner:
             for total in (state.a_pending.total, state.g_pending.total)
             if total is not None
         )
+        if self._batchnorm is not None:
+            local_ok = local_ok and self._batchnorm.pending_finite()
         new = self._global_contributions(local_ok)
+        normalization: dict[str, Tensor | None] = {}
+        if self._batchnorm is not None:
+            # Issued on every factor step after the factor exchange, whatever was captured.
+            with self.profiler.span(span_name("factor_comm", "batchnorm")):
+                normalization = self._batchnorm.reduce_pending(self._communicator)
         for state in self._layers.values():
             state.clear_pending()
-        if new is None:
+        if new is None or not _all_finite(v for v in normalization.values() if v is not None):
             return False
         decay = self.config.factor_decay
         with self.profiler.span(span_name("factor_compute", "running_average")):
@@ -409,6 +505,8 @@ class KFACPreconditioner:
                 if a_new is not None and g_new is not None:
                     state.a_factor = running_average(state.a_factor, a_new, decay)
                     state.g_factor = running_average(state.g_factor, g_new, decay)
+            if self._batchnorm is not None:
+                self._batchnorm.absorb(normalization, decay)
         return True
 
     def _global_contributions(self, local_ok: bool) -> dict[str, Tensor | None] | None:
@@ -495,7 +593,7 @@ class KFACPreconditioner:
             "skipped_steps": self._skipped_steps,
             "forward_order": list(self._forward_order),
             "layers": layer_states_to_dict(self._layers),
-        }
+        } | ({} if self._batchnorm is None else {"batchnorm": self._batchnorm.state_dict()})
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned; the layers must match exactly.
@@ -507,7 +605,22 @@ class KFACPreconditioner:
             raise ValueError(
                 f"state_dict format {state_dict.get('format')!r} is not {_STATE_FORMAT}"
             )
+        saved_batchnorm = state_dict.get("batchnorm")
+        if (saved_batchnorm is None) != (self._batchnorm is None):
+            raise ValueError(
+                "state_dict and preconditioner disagree on BatchNorm curvature: saved "
+                f"{'none' if saved_batchnorm is None else saved_batchnorm.get('mode')!r}, "
+                f"batchnorm={self.config.batchnorm!r} with "
+                f"{len(self.batchnorm_layers)} BatchNorm layers"
+            )
+        restored = (
+            None
+            if self._batchnorm is None or saved_batchnorm is None
+            else self._batchnorm.check_state(saved_batchnorm)
+        )
         load_layer_states(self._layers, state_dict["layers"])
+        if self._batchnorm is not None and restored is not None:
+            self._batchnorm.restore(restored)
         self._step = int(state_dict["steps"])
         self._skipped_steps = int(state_dict.get("skipped_steps", 0))
         self._forward_order = [n for n in state_dict.get("forward_order", []) if n in self._layers]
@@ -515,8 +628,12 @@ class KFACPreconditioner:
     def remove(self) -> None:
         """Remove every hook this preconditioner installed; the model is left as it was."""
         self._capture.remove()
+        if self._batchnorm_capture is not None:
+            self._batchnorm_capture.remove()
         for state in self._layers.values():
             state.clear_pending()
+        if self._batchnorm is not None:
+            self._batchnorm.clear_pending()
 
     def __repr__(self) -> str:
         return (

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from spdkfac.training.config import (
+    BATCHNORM_CURVATURES,
     DATASETS,
     LR_SCHEDULES,
     OPTIMIZERS,
@@ -52,6 +53,14 @@ _HELP: dict[str, str] = {
     "stale_factor_update_steps": "factor refresh interval after the switch",
     "stale_inv_update_steps": "inverse refresh interval after the switch",
     "stale_growth_steps": "double the intervals every N steps after the switch (0: jump)",
+    "batchnorm": (
+        "K-FAC curvature for BatchNorm scale and shift: off (plain gradient), diagonal "
+        "(Osawa et al.'s diagonal Fisher) or unit-wise (each channel's 2x2 block)"
+    ),
+    "batchnorm_damping_multiplier": (
+        "rho_BN: BatchNorm blocks are damped with rho_BN * damping (Osawa et al.: > 1; "
+        "their code uses 16)"
+    ),
     "weight_rescaling": "rescale conv/linear weights to norm sqrt(2*d_out) when larger",
     "mixup_alpha": "running mixup Beta(alpha, alpha) (0: off)",
     "random_erasing": "probability of random erasing with zeros (0: off)",
@@ -59,6 +68,7 @@ _HELP: dict[str, str] = {
     "augment": "random crop and horizontal flip",
     "seed": "random seed",
     "threads": "torch intra-op threads per process",
+    "collective_timeout": "seconds a collective may wait for a peer before the run fails",
     "out_dir": "where metrics, summary, TensorBoard logs and checkpoints go",
     "checkpoint_every": "checkpoint every N optimizer steps (0: only at the end)",
     "resume": "continue from the latest checkpoint in --out-dir",
@@ -95,6 +105,8 @@ def add_parser(verbs: Any) -> None:
         }
         if isinstance(default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif spec.name == "batchnorm":
+            kwargs.update(type=str, choices=BATCHNORM_CURVATURES)
         elif spec.name == "milestones":
             kwargs.update(type=float, nargs="*")
         elif spec.name in ("max_steps", "threads", "stale_switch_step"):

@@ -7,6 +7,7 @@ package that touches ``torch.distributed``.
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +41,19 @@ def _first(future: Future[Any]) -> Future[Tensor]:
     return future.then(unwrap)
 
 
+def _check_group_type(process_group: object) -> None:
+    """Reject what cannot be a group, before asking ``torch.distributed`` about it."""
+    if (
+        process_group is not None
+        and process_group is not dist.GroupMember.NON_GROUP_MEMBER
+        and not isinstance(process_group, dist.ProcessGroup)
+    ):
+        raise ValueError(
+            "process_group must be a torch.distributed ProcessGroup, a Communicator or "
+            f"None, got {process_group!r}"
+        )
+
+
 class TorchDistributedCommunicator:
     """Collectives on a ``torch.distributed`` process group (default: the world).
 
@@ -47,11 +61,12 @@ class TorchDistributedCommunicator:
         process_group: The group; None means the default group.
 
     Raises:
-        ValueError: When ``torch.distributed`` is not initialized or this rank is not a
-            member of ``process_group``.
+        ValueError: When ``process_group`` is not a process group, ``torch.distributed`` is
+            not initialized or this rank is not a member of ``process_group``.
     """
 
     def __init__(self, process_group: Any = None) -> None:
+        _check_group_type(process_group)
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "process_group needs torch.distributed to be initialized "
@@ -130,10 +145,26 @@ class TorchDistributedCommunicator:
         else:
             ranks = [dist.get_global_rank(self._group, r) for r in range(self._world_size)]
         backend = dist.get_backend(self._group)
-        return TorchDistributedCommunicator(dist.new_group(ranks=ranks, backend=backend))
+        # new_group() would otherwise get torch's default timeout (30 min for gloo), not
+        # this group's: a stalled peer would hang the duplicate long after the original
+        # group's timeout.
+        timeout = _group_timeout(self._group, self._device)
+        return TorchDistributedCommunicator(
+            dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+        )
 
     def __repr__(self) -> str:
         return f"TorchDistributedCommunicator(rank={self._rank}, world_size={self._world_size})"
+
+
+def _group_timeout(group: Any, device: torch.device) -> timedelta | None:
+    """The collective timeout of ``group`` (None when the backend does not expose it)."""
+    try:
+        process_group: Any = group if group is not None else dist.group.WORLD
+        timeout = process_group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 def is_distributed() -> bool:
@@ -179,4 +210,9 @@ def barrier(communicator: Communicator) -> None:
 def destroy_distributed() -> None:
     """Leave the default process group, if one was joined."""
     if dist.is_available() and dist.is_initialized():
+        # A gloo worker thread that finished a collective still has to drop the Python
+        # ``.then()`` continuation under the GIL, and the group's destructor joins that
+        # thread while holding the GIL: tearing down right after a collective (an error
+        # agreed by every rank, say) can deadlock. Releasing the GIL briefly lets it finish.
+        time.sleep(0.05)
         dist.destroy_process_group()

@@ -123,7 +123,14 @@ class FactorPipeline:
         """
         pending = self._exchange.finish(local_ok=local_ok)
         with self._profiler.span(span_name("factor_comm", "wait")):
-            result = pending.wait()
+            try:
+                result = pending.wait()
+            except RuntimeError as error:  # a peer died or stalled past the group's timeout
+                raise RuntimeError(
+                    f"spdkfac: the K-FAC factor all-reduce ({self._policy} buckets) failed on "
+                    f"rank {self._communicator.rank} of {self._communicator.world_size}: "
+                    f"{error}"
+                ) from error
         self._factor_steps += 1
         if self._current:
             self._history = [*self._history[-(_KEPT_STEPS - 1) :], self._current]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,15 @@ def _load(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint file is missing")
     try:
+        # torch.load does not check the archive's CRC-32s: flipped bytes in tensor data
+        # would load silently as wrong values, so they are checked first.
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+        if damaged is not None:
+            raise CheckpointError(f"{path}: cannot be read (CRC-32 mismatch in {damaged})")
         value = torch.load(path, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as error:  # torch raises many types for truncated/corrupt files
         raise CheckpointError(f"{path}: cannot be read ({type(error).__name__}: {error})") from None
     if not isinstance(value, dict) or value.get("format") != CHECKPOINT_FORMAT:

@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from spdkfac.config import STRATEGIES
+from spdkfac.layers.batchnorm import BATCHNORM_MODES
 
 __all__ = [
+    "BATCHNORM_CURVATURES",
     "DATASETS",
     "LR_SCHEDULES",
     "OPTIMIZERS",
@@ -24,10 +26,12 @@ __all__ = [
 DATASETS: tuple[str, ...] = ("fashion-mnist", "cifar10", "imagefolder")
 OPTIMIZERS: tuple[str, ...] = ("sgd", "kfac")
 LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
+#: ``--batchnorm`` values: "off" (plain gradient) or a mode of ``KFACPreconditioner``.
+BATCHNORM_CURVATURES: tuple[str, ...] = ("off", *BATCHNORM_MODES)
 #: Fields a resumed run may change; any other difference refuses the checkpoint.
 RESUMABLE_CHANGES: frozenset[str] = frozenset(
     {"epochs", "max_steps", "out_dir", "resume", "checkpoint_every", "threads",
-     "tensorboard", "target_accuracy", "data", "config"}
+     "tensorboard", "target_accuracy", "data", "config", "collective_timeout"}
 )  # fmt: skip
 
 
@@ -67,6 +71,8 @@ class TrainConfig:
     stale_factor_update_steps: int = 10
     stale_inv_update_steps: int = 100
     stale_growth_steps: int = 0
+    batchnorm: str = "off"
+    batchnorm_damping_multiplier: float = 1.0
     weight_rescaling: bool = False
     mixup_alpha: float = 0.0
     random_erasing: float = 0.0
@@ -74,6 +80,7 @@ class TrainConfig:
     augment: bool = True
     seed: int = 0
     threads: int | None = None
+    collective_timeout: float = 600.0
     out_dir: str = "runs/train"
     checkpoint_every: int = 0
     resume: bool = False
@@ -86,6 +93,8 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("strategy", self.strategy, tuple(STRATEGIES))
+        _choice("batchnorm", self.batchnorm, BATCHNORM_CURVATURES)
+        _positive_float("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
         for name in ("epochs", "batch_size", "accumulation_steps", "image_size",
                      "factor_update_steps", "inv_update_steps",
                      "stale_factor_update_steps", "stale_inv_update_steps"):  # fmt: skip
@@ -95,7 +104,8 @@ class TrainConfig:
         for name in ("max_steps", "threads", "stale_switch_step"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
-        for name in ("lr", "damping", "factor_decay", "lr_gamma", "poly_power"):
+        for name in ("lr", "damping", "factor_decay", "lr_gamma", "poly_power",
+                     "collective_timeout"):  # fmt: skip
             _positive_float(name, getattr(self, name))
         for name in ("momentum", "weight_decay", "warmup_epochs", "mixup_alpha",
                      "poly_start_epoch"):  # fmt: skip

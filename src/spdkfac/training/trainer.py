@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +33,14 @@ from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.schedules import apply_to_optimizer, rescale_weights_
 from spdkfac.training.checkpoint import (
     CHECKPOINT_FORMAT,
-    CheckpointError,
     atomic_torch_save,
     atomic_write_bytes,
-    latest_checkpoint,
-    load_common,
-    load_rank_state,
     publish_latest,
     step_directory,
 )
-from spdkfac.training.config import TrainConfig, incompatible_fields
+from spdkfac.training.config import TrainConfig
+from spdkfac.training.faults import FaultPlan
+from spdkfac.training.resume import replicas_identical, restore_checkpoint, state_tensors
 from spdkfac.training.setup import build_schedules, load_datasets, make_model
 
 __all__ = ["EpochMetrics", "TrainSummary", "train"]
@@ -73,6 +74,7 @@ class TrainSummary:
     steps: int
     world_size: int
     metrics: list[EpochMetrics] = field(default_factory=list)
+    replicas_identical: bool = True
 
 
 def _seed(config: TrainConfig, rank: int, step: int) -> int:
@@ -118,9 +120,13 @@ class _Run:
                 lr=self.lr_fn,
                 strategy=config.strategy,
                 accumulation_steps=config.accumulation_steps,
+                batchnorm=None if config.batchnorm == "off" else config.batchnorm,
+                batchnorm_damping_multiplier=config.batchnorm_damping_multiplier,
             )
         self.mixup = RunningMixup(config.mixup_alpha) if config.mixup_alpha > 0 else None
+        self.faults = FaultPlan.from_env()
         self.step = 0
+        self.epoch_losses: list[float] = []  # this rank's losses so far in this epoch
         self.train_seconds = 0.0
         self.iteration_seconds: list[float] = []
         self.metrics: list[EpochMetrics] = []
@@ -143,7 +149,11 @@ class _Run:
                     "preconditioner": None if self.precond is None else self.precond.state_dict(),
                 },
             )
-        rank_state = {"format": CHECKPOINT_FORMAT, "mixup": self._mixup_state()}
+        rank_state = {
+            "format": CHECKPOINT_FORMAT,
+            "mixup": self._mixup_state(),
+            "epoch_losses": list(self.epoch_losses),
+        }
         atomic_torch_save(directory / f"rank-{self.comm.rank}.pt", rank_state)
         barrier(self.comm)  # every rank's file is on disk before the pointer moves
         if self.comm.rank == 0:
@@ -162,34 +172,32 @@ class _Run:
             directory.rmdir()
 
     def restore(self) -> None:
-        directory = latest_checkpoint(self.checkpoints)
-        if directory is None:
+        restored = restore_checkpoint(
+            self.checkpoints,
+            self.comm,
+            self.config,
+            module=self.module,
+            optimizer=self.optimizer,
+            preconditioner=self.precond,
+        )
+        if restored is None:
             self.log(f"no checkpoint in {self.checkpoints}; starting from scratch")
             return
-        common = load_common(directory)
-        differing = incompatible_fields(common["config"], self.config)
-        if differing:
-            raise CheckpointError(
-                f"{directory}: written by an incompatible configuration (differs in "
-                f"{', '.join(differing)}); start a new --out-dir or use the same options"
-            )
-        self.module.load_state_dict(common["model"])
-        self.optimizer.load_state_dict(common["optimizer"])
-        if self.precond is not None and common["preconditioner"] is not None:
-            self.precond.load_state_dict(common["preconditioner"])
-        self.step = int(common["step"])
-        self.train_seconds = float(common["train_seconds"])
-        self.metrics = [EpochMetrics(**row) for row in common["metrics"]]
-        rank_state = load_rank_state(directory, self.comm.rank)
-        if self.mixup is not None and rank_state is not None and rank_state["mixup"] is not None:
+        self.step = restored.step
+        self.train_seconds = restored.train_seconds
+        self.metrics = [EpochMetrics(**row) for row in restored.metrics]
+        rank_state = restored.rank_state or {}
+        if self.mixup is not None and rank_state.get("mixup") is not None:
             self.mixup.load_state_dict(rank_state["mixup"])
-        if common["world_size"] != self.comm.world_size:
+        self.epoch_losses = [float(x) for x in rank_state.get("epoch_losses", [])]
+        if restored.world_size != self.comm.world_size:
             self.log(
-                f"resuming a {common['world_size']}-rank checkpoint on {self.comm.world_size} "
-                "ranks: factors are replicated and inverse placement is re-planned, but the "
-                "data order differs, so the run is not bit-identical to the original"
+                f"resuming a {restored.world_size}-rank checkpoint on {self.comm.world_size} "
+                "ranks: factors and inverses are replicated and inverse placement is "
+                "re-planned, but the data order differs, so the run is not bit-identical "
+                "to the original"
             )
-        self.log(f"resumed from {directory} at step {self.step}")
+        self.log(f"resumed from {restored.directory} at step {self.step}")
 
     # ------------------------------------------------------------------ one step
     def _batch(self, indices: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -215,6 +223,7 @@ class _Run:
     def train_step(self, indices: list[int]) -> float:
         config = self.config
         images, labels, soft = self._batch(indices)
+        images = self.faults.poison_batch(images, self.step, self.comm.rank)
         self.optimizer.zero_grad(set_to_none=True)
         chunks = torch.arange(len(labels)).chunk(config.accumulation_steps)
         total = 0.0
@@ -229,6 +238,7 @@ class _Run:
                 loss = self._loss(logits, labels[part], None if soft is None else soft[part])
                 (loss / len(chunks)).backward()
             total += float(loss.detach()) / len(chunks)
+        self.faults.before_update(self.step, self.comm.rank)
         applied = self.precond.step() if self.precond is not None else True
         if applied:
             self.optimizer.step()
@@ -280,7 +290,7 @@ def train(config: TrainConfig, *, log: Callable[[str], None] = print) -> TrainSu
     """Run (or resume) a training run on this process's rank; rank 0 writes the outputs."""
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    comm = init_distributed()
+    comm = init_distributed(timeout=timedelta(seconds=config.collective_timeout))
     try:
         run = _Run(config, comm, log)
         if comm.rank == 0:
@@ -310,7 +320,9 @@ def _loop(run: _Run) -> TrainSummary:
         batches = list(BatchSampler(run.sampler, config.batch_size, drop_last=False))
         bar = ProgressBar(len(batches), f"epoch {epoch + 1}", enabled=comm.rank == 0)
         started = time.perf_counter()
-        losses = []
+        if position == 0:
+            run.epoch_losses = []
+        losses = run.epoch_losses
         epoch_seconds = 0.0
         for indices in batches[position:]:
             if run.step >= total_steps:
@@ -326,7 +338,8 @@ def _loop(run: _Run) -> TrainSummary:
                 started = time.perf_counter()
         run.train_seconds += time.perf_counter() - started
         if run.step % run.steps_per_epoch == 0 or run.step >= total_steps:
-            mean = comm.all_reduce_average(torch.tensor([sum(losses) / max(len(losses), 1)]))
+            finite = [x for x in losses if math.isfinite(x)]  # skipped (NaN) steps left out
+            mean = comm.all_reduce_average(torch.tensor([sum(finite) / max(len(finite), 1)]))
             accuracy = run.evaluate()
             row = EpochMetrics(
                 epoch=-(-run.step // run.steps_per_epoch),
@@ -345,12 +358,27 @@ def _loop(run: _Run) -> TrainSummary:
                     board.add_scalar(key, getattr(row, key), row.epoch)
     run.save()
     summary = _summary(run)
+    summary.replicas_identical = _replicas_identical(run)
+    if not summary.replicas_identical and comm.rank == 0:
+        print("spdkfac train: warning: parameters or factors differ across ranks", file=sys.stderr)
     if comm.rank == 0 and run.metrics:
         _write_outputs(run, summary)
         run.log(_format_summary(summary, config.target_accuracy))
     if board is not None:
         board.close()
     return summary
+
+
+def _replicas_identical(run: _Run) -> bool:
+    """Whether parameters and K-FAC state are bitwise equal on every rank.
+
+    Buffers are left out: DDP re-broadcasts them from rank 0 at every forward, so BatchNorm
+    running statistics legitimately differ between ranks after the last one.
+    """
+    tensors: list[Tensor] = list(run.module.parameters())
+    if run.precond is not None:
+        tensors += state_tensors(run.precond.state_dict())
+    return replicas_identical(run.comm, tensors)
 
 
 def _summary(run: _Run) -> TrainSummary:

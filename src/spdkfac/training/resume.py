@@ -1,0 +1,198 @@
+"""Resuming with every rank agreeing: load, apply, then all-gather each rank's outcome.
+
+Every rank reads the checkpoint ``latest`` points to and applies it locally; one
+all-gather of a fixed-size record (status, step, digest of ``common.pt``, error text) then
+turns a failure on any rank, or ranks that found different checkpoints, into the same
+:class:`~spdkfac.training.checkpoint.CheckpointError` on every rank, instead of one rank
+raising while the others wait in their next collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from spdkfac.comm import Communicator
+from spdkfac.preconditioner import KFACPreconditioner
+from spdkfac.training.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_common,
+    load_rank_state,
+)
+from spdkfac.training.config import TrainConfig, incompatible_fields
+
+__all__ = ["Restored", "replicas_identical", "restore_checkpoint", "state_tensors"]
+
+_RECORD_BYTES = 1024
+_HEADER = struct.Struct("<Bq32s")  # status, step, sha256 of common.pt
+_NONE, _LOADED, _FAILED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a checkpoint gave back beyond the state loaded into the model and optimizers."""
+
+    directory: Path
+    step: int
+    world_size: int
+    train_seconds: float
+    metrics: list[dict[str, Any]]
+    rank_state: dict[str, Any] | None
+
+
+def restore_checkpoint(
+    root: Path,
+    comm: Communicator,
+    config: TrainConfig,
+    *,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    preconditioner: KFACPreconditioner | None,
+) -> Restored | None:
+    """Load the latest checkpoint under ``root`` into the model and optimizers.
+
+    A collective: every rank calls it. Returns None when no rank found a checkpoint.
+
+    Raises:
+        CheckpointError: The same one on every rank when a rank could not read or apply
+            its checkpoint (naming the rank, the file and the reason) or when ranks found
+            different checkpoints.
+    """
+    restored: Restored | None = None
+    digest = bytes(32)
+    error: str | None = None
+    try:
+        directory = latest_checkpoint(root)
+        if directory is not None:
+            digest = hashlib.sha256((directory / "common.pt").read_bytes()).digest()
+            restored = _apply(directory, comm, config, module, optimizer, preconditioner)
+    except CheckpointError as exc:
+        error = str(exc)
+    except Exception as exc:  # any local failure must reach the other ranks, not hang them
+        error = f"{type(exc).__name__}: {exc}"
+    _agree(comm, restored, digest, error)
+    return restored
+
+
+def _apply(
+    directory: Path,
+    comm: Communicator,
+    config: TrainConfig,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    preconditioner: KFACPreconditioner | None,
+) -> Restored:
+    common = load_common(directory)
+    path = directory / "common.pt"
+    try:
+        saved_config = common["config"]
+        world_size = int(common["world_size"])
+        differing = incompatible_fields(saved_config, config)
+        if differing:
+            raise CheckpointError(
+                f"{directory}: written by an incompatible configuration (differs in "
+                f"{', '.join(differing)}); start a new --out-dir or use the same options"
+            )
+        module.load_state_dict(common["model"])
+        optimizer.load_state_dict(common["optimizer"])
+        saved = common["preconditioner"]
+        if (preconditioner is None) != (saved is None):
+            raise ValueError("it has no K-FAC state" if saved is None else "it has K-FAC state")
+        if preconditioner is not None:
+            preconditioner.load_state_dict(saved)
+        restored = Restored(
+            directory=directory,
+            step=int(common["step"]),
+            world_size=world_size,
+            train_seconds=float(common["train_seconds"]),
+            metrics=list(common["metrics"]),
+            rank_state=load_rank_state(directory, comm.rank),
+        )
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        raise CheckpointError(f"{path}: does not fit this model and optimizer ({reason})") from None
+    if restored.rank_state is None and world_size == comm.world_size:
+        raise CheckpointError(
+            f"{directory / f'rank-{comm.rank}.pt'}: checkpoint file is missing "
+            f"(the checkpoint was written by {world_size} ranks)"
+        )
+    return restored
+
+
+def _encode(status: int, step: int, digest: bytes, error: str) -> Tensor:
+    message = error.encode()[: _RECORD_BYTES - _HEADER.size]
+    record = bytearray(_HEADER.pack(status, step, digest) + message)
+    record.extend(bytes(_RECORD_BYTES - len(record)))
+    return torch.frombuffer(record, dtype=torch.uint8)
+
+
+def _decode(record: Tensor) -> tuple[int, int, bytes, str]:
+    raw = bytes(record.cpu().tolist())
+    status, step, digest = _HEADER.unpack_from(raw)
+    message = raw[_HEADER.size :].rstrip(b"\0").decode(errors="replace")
+    return status, step, digest, message
+
+
+def _agree(comm: Communicator, restored: Restored | None, digest: bytes, error: str | None) -> None:
+    if comm.world_size == 1:
+        if error is not None:
+            raise CheckpointError(error)
+        return
+    status = _FAILED if error is not None else _NONE if restored is None else _LOADED
+    step = -1 if restored is None else restored.step
+    local = _encode(status, step, digest, error or "").to(comm.device)
+    records = [_decode(r) for r in comm.all_gather(local).wait()]
+    failed = [rank for rank, record in enumerate(records) if record[0] == _FAILED]
+    if failed:
+        first = failed[0]
+        others = f" (rank(s) {failed[1:]} failed too)" if len(failed) > 1 else ""
+        raise CheckpointError(f"cannot resume: rank {first}: {records[first][3]}{others}")
+    if any(record[:3] != records[0][:3] for record in records):
+        found = ", ".join(
+            f"rank {rank}: "
+            + (f"step {step} (sha256 {digest.hex()[:12]})" if status == _LOADED else "none")
+            for rank, (status, step, digest, _) in enumerate(records)
+        )
+        raise CheckpointError(
+            f"ranks disagree on the checkpoint to resume from ({found}); give every rank "
+            "the same --out-dir on a shared file system"
+        )
+
+
+def replicas_identical(comm: Communicator, tensors: Iterable[Tensor]) -> bool:
+    """Whether ``tensors`` are bitwise equal on every rank (one all-gather of a digest).
+
+    A collective: every rank calls it with the same tensors in the same order.
+    """
+    hasher = hashlib.sha256()
+    for tensor in tensors:
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        hasher.update(str(flat.dtype).encode())
+        hasher.update(flat.view(torch.uint8).numpy().tobytes())
+    if comm.world_size == 1:
+        return True
+    local = torch.frombuffer(bytearray(hasher.digest()), dtype=torch.uint8).to(comm.device)
+    gathered = comm.all_gather(local).wait()
+    return all(torch.equal(other.cpu(), gathered[0].cpu()) for other in gathered)
+
+
+def state_tensors(state: Mapping[str, Any] | Iterable[Any]) -> list[Tensor]:
+    """Every tensor in a nested state dict (dicts in key order, lists in order)."""
+    found: list[Tensor] = []
+    items = state.values() if isinstance(state, Mapping) else state
+    for value in items:
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif isinstance(value, (Mapping, list, tuple)):
+            found.extend(state_tensors(value))
+    return found
