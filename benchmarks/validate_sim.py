@@ -255,7 +255,12 @@ def main() -> int:
     for item in args.measured:
         model, _, path = item.partition("=")
         measured[model] = path
-    paths = args.results or sorted(glob.glob("benchmarks/reports/*/results.json"))
+    paths = args.results or [
+        # Other benchmarks also write results.json; keep those of `spdkfac bench`.
+        path
+        for path in sorted(glob.glob("benchmarks/reports/*/results.json"))
+        if "format" in json.loads(Path(path).read_text())
+    ]
     if not paths:
         print("no results.json found", file=sys.stderr)
         return 1
