@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import _write_idx
@@ -76,3 +78,11 @@ def assert_bitwise_equal(ours: Any, theirs: Any, where: str = "") -> None:
             assert_bitwise_equal(a, b, f"{where}[{index}]")
     else:
         assert ours == theirs, where
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """In-process runs set one intra-op thread (as launched ones do); restored after."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

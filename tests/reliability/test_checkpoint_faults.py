@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from fault_helpers import assert_bitwise_equal, final_checkpoint, train_options, write_tiny_data
+from fault_helpers import (
+    assert_bitwise_equal,
+    final_checkpoint,
+    one_thread,  # noqa: F401 (a fixture, used by name)
+    train_options,
+    write_tiny_data,
+)
 
 from distributed_helper import run_distributed
 from spdkfac.training.checkpoint import (
@@ -77,17 +82,11 @@ def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------------- F5
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("victim", ["common.pt", "rank-0.pt", "latest"])
 def test_f5_kill_while_writing_a_checkpoint_keeps_the_previous_one(
-    victim: str, data: Path, reference: Path, tmp_path: Path, one_thread: None
+    victim: str, data: Path, reference: Path, tmp_path: Path
 ) -> None:
     options = train_options(data, tmp_path)
     killed = subprocess.run(

@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from fault_helpers import (
     as_flags,
     assert_bitwise_equal,
     final_checkpoint,
+    one_thread,  # noqa: F401 (a fixture, used by name)
     train_options,
     write_tiny_data,
 )
@@ -64,14 +64,6 @@ def uninterrupted(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = _torchrun(train_options(data, out, max_steps=STEPS))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """In-process runs set one intra-op thread (as launched ones do); restored after."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_fault_plan_parses_and_fires_only_where_asked() -> None:
@@ -154,8 +146,9 @@ def test_f3_collective_timeout_option_ends_a_stalled_training_run(
     assert "timed out" in result.stderr.lower(), result.stderr[-3000:]
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_f7_two_rank_checkpoint_resumes_on_one_rank(
-    data: Path, uninterrupted: Path, tmp_path: Path, one_thread: None
+    data: Path, uninterrupted: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "shrunk"
     shutil.copytree(uninterrupted, out)
