@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bench_phases import capture_layer_io  # benchmarks/ is the script's directory
 from spdkfac.layers import Conv2dLayer, FactorOptions, KFACLayer, LinearLayer, lookup
 from spdkfac.layers.conv2d import _explicit_padding, conv2d_patches
 from spdkfac.layers.methods import Conv2dGeometry, select_conv2d_a_method
@@ -126,22 +126,7 @@ def _resnet32_layers(batch: int, device: torch.device) -> Iterator[Layer]:
     model = build_model("resnet32", in_channels=3, input_size=32).to(device)
     inputs = torch.randn(batch, 3, 32, 32, device=device)
     targets = torch.randint(0, 10, (batch,), device=device)
-    captured: dict[str, list[Tensor]] = {}
-    handles = []
-    for name, module in model.named_modules():
-        if lookup(module) is None:
-            continue
-
-        def pre(mod: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
-            captured[name] = [args[0].detach()]
-
-        def post(mod: nn.Module, args: tuple[Any, ...], out: Tensor, name: str = name) -> None:
-            out.register_hook(lambda g, name=name: captured[name].append(g.detach()))
-
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    F.cross_entropy(model(inputs), targets).backward()
-    for handle in handles:
-        handle.remove()
+    captured = capture_layer_io(model, inputs, targets)
     modules = dict(model.named_modules())
     for name, (layer_in, grad_out) in captured.items():
         yield Layer(name, modules[name], layer_in, grad_out)

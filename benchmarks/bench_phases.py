@@ -36,8 +36,11 @@ def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _capture(model: nn.Module, inputs: Tensor, targets: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
-    """(layer input, output gradient) of every supported layer for one batch."""
+def capture_layer_io(
+    model: nn.Module, inputs: Tensor, targets: Tensor
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """(layer input, output gradient) of every supported layer for one batch (also used by
+    ``bench_factors.py``)."""
     captured: dict[str, list[Tensor]] = {}
     handles = []
     for name, module in model.named_modules():
@@ -91,7 +94,7 @@ def main() -> None:
         F.cross_entropy(model(inputs), targets).backward()
 
     fwd_bwd = _median_seconds(forward_backward, args.repeats)
-    captured = _capture(model, inputs, targets)
+    captured = capture_layer_io(model, inputs, targets)
     modules = dict(model.named_modules())
 
     rows = []
