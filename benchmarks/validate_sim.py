@@ -3,11 +3,19 @@
 For every ``results.json`` given (default: ``benchmarks/reports/*/results.json``), simulate
 the same model, batch, world size, refresh intervals and variants with the ``cpu`` preset,
 the costs the run itself planned with (its inverse and collective fits, printed in
-``results.json``) and, when there is one for the model, a measured-compute file
-(``benchmarks/measure_sim_compute.py``: per-op and per-layer factor times taken on this
-machine with two processes at once, outside the benchmark). Writes measured against
-simulated iteration time and breakdown categories, and the same with the FLOP-based
-roofline of the preset instead of the measured compute.
+``results.json``), the link's bandwidth and interference
+(``benchmarks/calibrate_sim_interference.py``), and three sources of compute times:
+
+1. *profiled*: the spans of one profiled run of the real code, D-KFAC on loopback
+   (``bench_MODEL_loopback/traces/d-kfac.json`` in the same folder as the run validated;
+   see ``spdkfac.sim.profiled``). Every other variant, and every variant on the 1 Gbit/s
+   link, is a prediction; only D-KFAC on loopback is the calibration run itself (marked
+   in the tables).
+2. *measured compute*: per-op and per-layer factor times taken outside the benchmark
+   (``benchmarks/measure_sim_compute.py``), when there is a file for the model.
+3. *roofline*: the preset's FLOP-based model, no measurement of the model at all.
+
+Writes measured against simulated iteration time and breakdown categories.
 
     python benchmarks/validate_sim.py --out benchmarks/reports/sim_validation.md
 """
@@ -20,6 +28,7 @@ import json
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +39,7 @@ from spdkfac.sim import (
     CommunicationModel,
     Hardware,
     MeasuredCompute,
+    ProfiledCompute,
     StrategyResult,
     Workload,
     cpu_preset,
@@ -41,6 +51,15 @@ from spdkfac.sim import (
 _FLOAT = r"([0-9.]+(?:e[-+]?[0-9]+)?)"
 #: Measured-compute files, by model and batch size (benchmarks/measure_sim_compute.py).
 MEASURED = "benchmarks/reports/sim_measured_{model}_b{batch}.json"
+#: The profiled run the "profiled" compute comes from, by model.
+PROFILED = "bench_{model}_loopback"  # beside the validated run's own folder
+#: Runs validated by default: one session's set (all four taken one after the other),
+#: then the older runs of earlier sessions.
+DEFAULT_RUNS = (
+    "benchmarks/reports/validation/*/results.json",
+    "benchmarks/reports/*/results.json",
+)
+PROFILED_VARIANT = "d-kfac"
 LIMIT = 0.15
 
 
@@ -111,7 +130,10 @@ def run_costs(results: BenchResults) -> Hardware:
             },
             scaling="ring",
         )
-    knobs = {k: link[k] for k in ("overlap", "contention", "issue_overhead_seconds") if k in link}
+    names = ("overlap", "contention", "broadcast_overlap", "broadcast_contention")
+    knobs = {k: link[k] for k in (*names, "issue_overhead_seconds") if k in link}
+    if link.get("contention", 0.0) > 0 and "contention_sd" in link:
+        knobs["contention_spread"] = min(2.0, link["contention_sd"] / link["contention"])
     return replace(
         cpu_preset(),
         inverse=_inverse(str(costs["inverse"])),
@@ -154,7 +176,9 @@ def _mean_iteration(variant: VariantResult) -> float:
     return statistics.fmean(variant.measured)
 
 
-def _table(results: BenchResults, simulated: dict[str, StrategyResult]) -> list[str]:
+def _table(
+    results: BenchResults, simulated: dict[str, StrategyResult], calibration: str = ""
+) -> list[str]:
     lines = [
         "| variant | iteration (median) | iteration (mean) | "
         + " | ".join(BREAKDOWN_CATEGORIES)
@@ -170,20 +194,30 @@ def _table(results: BenchResults, simulated: dict[str, StrategyResult]) -> list[
         cells += [
             _cell(result.breakdown[c], variant.breakdown.get(c, 0.0)) for c in BREAKDOWN_CATEGORIES
         ]
-        lines.append(f"| {variant.name} | " + " | ".join(cells) + " |")
+        name = variant.name + (" (calibration run)" if variant.name == calibration else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _validate(path: str, measured_files: dict[str, str]) -> tuple[list[str], list[str]]:
+#: (runs, compute) -> column -> [cells within LIMIT, cells]
+Score = dict[tuple[str, str], dict[str, list[int]]]
+
+
+def _validate(
+    path: str, measured_files: dict[str, str], scores: Score
+) -> tuple[list[str], list[str]]:
     results = BenchResults.load(path)
+    runs = "one session (validation/)" if "/validation/" in path else "earlier sessions"
     entry = model_by_name(results.model, input_size=_input_size(results))
     workload = trace_workload(
         entry.build, entry.input_shape, batch_size=results.batch_size, name=entry.name
     )
     roofline = run_costs(results)
     factor_steps, inverse_steps = _intervals(results)
+    link = "1 Gbit/s" if "1gbit" in results.link else results.link.split(" ")[0]
     title = (
-        f"{results.model}, {results.world_size} ranks x batch {results.batch_size}, {results.link}"
+        f"`{Path(path).parent}`: {results.model}, {results.world_size} ranks x batch "
+        f"{results.batch_size}, {link}"
     )
     lines = [
         f"### {title}",
@@ -198,6 +232,25 @@ def _validate(path: str, measured_files: dict[str, str]) -> tuple[list[str], lis
         "",
     ]
     summary = []
+
+    def score(compute: str) -> dict[str, list[int]]:
+        return scores.setdefault((runs, compute), {})
+
+    profiled_dir = Path(path).parent.parent / PROFILED.format(model=results.model)
+    trace = profiled_dir / "traces" / f"{PROFILED_VARIANT}.json"
+    if trace.exists():
+        profile = ProfiledCompute.load(trace)
+        timed, hardware = profile.apply(workload, roofline)
+        simulated = _simulate(timed, hardware, results)
+        same = Path(path).parent == profiled_dir
+        lines += [
+            f"Compute: profiled, from the spans of `{trace}`: forward/backward "
+            f"{1e3 * profile.forward_backward:.1f} ms, rank spread {profile.rank_spread:.3f}, "
+            f"jitter {profile.jitter:.3f}, bookkeeping x{hardware.bookkeeping_scale:.2f}.",
+            "",
+        ]
+        lines += [*_table(results, simulated, PROFILED_VARIANT if same else ""), ""]
+        summary.append(_summary(title, "profiled", results, simulated, score))
     measured_path = measured_files.get(results.model) or MEASURED.format(
         model=results.model, batch=results.batch_size
     )
@@ -211,23 +264,37 @@ def _validate(path: str, measured_files: dict[str, str]) -> tuple[list[str], lis
             "",
         ]
         lines += [*_table(results, simulated), ""]
-        summary.append(_summary(title, "measured compute", results, simulated))
+        summary.append(_summary(title, "measured compute", results, simulated, score))
     simulated = _simulate(workload, roofline, results)
     lines += ["Compute: the `cpu` preset's FLOP-based roofline (no measurement of the model).", ""]
     lines += [*_table(results, simulated), ""]
-    summary.append(_summary(title, "roofline", results, simulated))
+    summary.append(_summary(title, "roofline", results, simulated, score))
     return lines, summary
 
 
 def _summary(
-    title: str, compute: str, results: BenchResults, simulated: dict[str, StrategyResult]
+    title: str,
+    compute: str,
+    results: BenchResults,
+    simulated: dict[str, StrategyResult],
+    score: Callable[[str], dict[str, list[int]]],
 ) -> str:
     errors, misses = [], []
+    tally = score(compute)
+
+    def count(column: str, error: float) -> None:
+        cell = tally.setdefault(column, [0, 0])
+        cell[0] += abs(error) <= LIMIT
+        cell[1] += 1
+
     for variant in results.variants:
         result = simulated[variant.name]
         errors.append(abs(_error(result.iteration_s, iteration_stats(variant).median) or 0.0))
+        count("iteration", errors[-1])
         for category in BREAKDOWN_CATEGORIES:
             error = _error(result.breakdown[category], variant.breakdown.get(category, 0.0))
+            if error is not None:
+                count(category, error)
             if error is not None and abs(error) > LIMIT:
                 misses.append(category)
     counted = {c: misses.count(c) for c in dict.fromkeys(misses)}
@@ -236,6 +303,21 @@ def _summary(
         f"| {title} | {compute} | {100 * statistics.median(errors):.0f}% | "
         f"{100 * max(errors):.0f}% | {missed or 'none'} |"
     )
+
+
+RUNS_NOTE = (
+    "Runs: `benchmarks/reports/validation/` holds four `spdkfac bench` runs taken one after "
+    "the other in one session (ResNet-32 and WRN-16-4, loopback and the emulated 1 Gbit/s "
+    "cluster); the other runs are from earlier sessions (a 1 Gbit/s run's forward/backward "
+    "up to 13 % slower than in its loopback calibration run). Every run is simulated with "
+    "the `cpu` preset, the inverse and α-β fits the run planned with, the 8 MiB all-reduce "
+    "bandwidth and the interference of its link (`{interference}`), and three sources of "
+    "compute: *profiled* (the spans of the D-KFAC variant of the loopback run in the same "
+    "folder: every other row, and all of 1 Gbit/s, is a prediction), *measured compute* "
+    "(ops and factor products timed outside a training step, "
+    "`benchmarks/measure_sim_compute.py`) and *roofline* (FLOPs and bytes only). "
+    "Communication waits are always predicted, never taken from a trace."
+)
 
 
 def main() -> int:
@@ -258,7 +340,8 @@ def main() -> int:
     paths = args.results or [
         # Other benchmarks also write results.json; keep those of `spdkfac bench`.
         path
-        for path in sorted(glob.glob("benchmarks/reports/*/results.json"))
+        for pattern in DEFAULT_RUNS
+        for path in sorted(glob.glob(pattern))
         if "format" in json.loads(Path(path).read_text())
     ]
     if not paths:
@@ -270,10 +353,19 @@ def main() -> int:
         "by > 15 % (variants) |",
         "|---|---|---|---|---|",
     ]
+    scores: Score = {}
     for path in paths:
-        lines, rows = _validate(path, measured)
+        lines, rows = _validate(path, measured, scores)
         body += lines
         summary += rows
+    columns = ["iteration", *BREAKDOWN_CATEGORIES]
+    scorecard = [
+        "| runs | compute | " + " | ".join(columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    for (runs, compute), tally in scores.items():
+        cells = [f"{tally[c][0]}/{tally[c][1]}" if c in tally else "—" for c in columns]
+        scorecard.append(f"| {runs} | {compute} | " + " | ".join(cells) + " |")
     text = "\n".join(
         [
             "# Simulator validation against measured runs",
@@ -284,6 +376,15 @@ def main() -> int:
             "marks errors beyond 15 %. Iteration: the measured median and mean of the slowest "
             "rank's time; categories: the profiler's breakdown (mean per iteration over "
             "ranks) against the simulator's.",
+            "",
+            RUNS_NOTE.format(interference=INTERFERENCE),
+            "",
+            "## Scorecard",
+            "",
+            "Cells within 15 % of the measurement / cells compared (variants x runs; a "
+            "category is compared where the measurement is not zero).",
+            "",
+            *scorecard,
             "",
             "## Summary",
             "",

@@ -134,7 +134,15 @@ def test_optimal_fusion_is_never_worse() -> None:
     posting a collective costs the host nothing (with a host cost per collective, many
     small buckets can lose to two big ones at the step)."""
     rng = random.Random(20210101)
-    base = replace(cpu_preset(), overlap=1.0, contention=0.0, issue_overhead_seconds=0.0)
+    base = replace(
+        cpu_preset(),
+        overlap=1.0,
+        contention=0.0,
+        broadcast_overlap=None,
+        broadcast_contention=None,
+        contention_spread=0.0,
+        issue_overhead_seconds=0.0,
+    )
     for trial in range(40):
         workload = _random_workload(rng)
         world_size = rng.choice([2, 4, 8])

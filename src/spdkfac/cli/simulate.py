@@ -16,6 +16,7 @@ from spdkfac.sim import (
     SIM_MODEL_NAMES,
     STRATEGY_TABLE,
     MeasuredCompute,
+    ProfiledCompute,
     SimulationRun,
     markdown_report,
     model_by_name,
@@ -114,6 +115,13 @@ def add_parser(verbs: Any) -> None:
         "measure_sim_compute.py) for the model, batch and input size simulated",
     )
     add(
+        "--profiled",
+        default=None,
+        metavar="TRACE",
+        help="Chrome trace of a profiled K-FAC run of the model (spdkfac bench's "
+        "traces/VARIANT.json): its measured pieces replace the compute models",
+    )
+    add(
         "--strategies",
         type=_strategies,
         default=DEFAULT_STRATEGIES,
@@ -157,6 +165,13 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             print(f"spdkfac simulate: error: {error}", file=sys.stderr)
             return 1
+    profiled = None
+    if args.profiled is not None:
+        try:
+            profiled = ProfiledCompute.load(args.profiled)
+        except (OSError, ValueError) as error:
+            print(f"spdkfac simulate: error: {error}", file=sys.stderr)
+            return 1
     runs: list[SimulationRun] = []
     for model in args.model:
         entry = model_by_name(model, input_size=args.input_size)
@@ -169,6 +184,12 @@ def run(args: argparse.Namespace) -> int:
         if measured is not None and measured.model == entry.name:
             try:
                 workload, model_hardware = measured.apply(workload, hardware)
+            except ValueError as error:
+                print(f"spdkfac simulate: error: {error}", file=sys.stderr)
+                return 1
+        if profiled is not None:
+            try:
+                workload, model_hardware = profiled.apply(workload, model_hardware)
             except ValueError as error:
                 print(f"spdkfac simulate: error: {error}", file=sys.stderr)
                 return 1

@@ -58,8 +58,16 @@ class PendingExchange:
 
     def wait(self) -> ExchangeResult:
         """Block until every bucket and the weights are reduced; unpack the factors."""
+        self.wait_transfers()
+        return self.unpack()
+
+    def wait_transfers(self) -> None:
+        """Block until every bucket and the weights are reduced."""
         for future in self._futures:
             future.wait()
+
+    def unpack(self) -> ExchangeResult:
+        """Rebuild the factors (after :meth:`wait_transfers`)."""
         return self._exchange._unpack()
 
 

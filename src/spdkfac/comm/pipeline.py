@@ -124,13 +124,17 @@ class FactorPipeline:
         pending = self._exchange.finish(local_ok=local_ok)
         with self._profiler.span(span_name("factor_comm", "wait")):
             try:
-                result = pending.wait()
+                pending.wait_transfers()
             except RuntimeError as error:  # a peer died or stalled past the group's timeout
                 raise RuntimeError(
                     f"spdkfac: the K-FAC factor all-reduce ({self._policy} buckets) failed on "
                     f"rank {self._communicator.rank} of {self._communicator.world_size}: "
                     f"{error}"
                 ) from error
+            # Unpacking is host work inside the wait (the breakdown counts it as
+            # FactorComm either way); its own span lets a profile tell it from waiting.
+            with self._profiler.span(span_name("factor_comm", "unpack")):
+                result = pending.unpack()
         self._factor_steps += 1
         if self._current:
             self._history = [*self._history[-(_KEPT_STEPS - 1) :], self._current]

@@ -6,6 +6,7 @@ from spdkfac.sim.engine import simulate
 from spdkfac.sim.hardware import CommunicationModel, DeviceModel, Hardware
 from spdkfac.sim.measured import MeasuredCompute, measure_compute
 from spdkfac.sim.presets import PRESETS, cpu_preset, paper_preset, resolve_hardware
+from spdkfac.sim.profiled import ProfiledCompute, events_from_chrome_trace
 from spdkfac.sim.program import (
     Close,
     Collective,
@@ -64,6 +65,7 @@ __all__ = [
     "MeasuredCompute",
     "Op",
     "Open",
+    "ProfiledCompute",
     "Program",
     "SimulationResult",
     "SimulationRun",
@@ -72,6 +74,7 @@ __all__ = [
     "Wait",
     "Workload",
     "cpu_preset",
+    "events_from_chrome_trace",
     "inverse_phase_seconds",
     "markdown_report",
     "measure_compute",

@@ -15,6 +15,9 @@ there, else the device roofline's memory bandwidth:
   the sum is finite (:func:`~spdkfac.linalg.is_finite`);
 * running average (in place: scale and add), packing inverses on owners, unpacking them
   on receivers, the KL clip (a dot product, a scale and a copy per layer) and momentum SGD.
+
+When the hardware carries pieces measured inside a profiled run of this workload
+(``Hardware.spans``, see :mod:`spdkfac.sim.profiled`), those replace the models above.
 """
 
 from __future__ import annotations
@@ -53,15 +56,23 @@ class WorkloadCosts:
 
     def primitive(self, name: str, elements: float) -> float:
         """Seconds of one call of a bookkeeping primitive on ``elements`` elements."""
+        scale = self.hardware.bookkeeping_scale
         measured = self.hardware.bookkeeping.get(name)
         if measured is not None:
             overhead, per_element = measured
-            return overhead + per_element * elements
+            return scale * (overhead + per_element * elements)
         nbytes, ops = PRIMITIVES[name]
         device = self.hardware.device
         if name == "matmul":
-            return ops * device.op_overhead_seconds + device.gemm_seconds(elements)
-        return ops * device.op_overhead_seconds + device.memory_seconds(nbytes * elements)
+            return scale * (ops * device.op_overhead_seconds + device.gemm_seconds(elements))
+        return scale * (ops * device.op_overhead_seconds + device.memory_seconds(nbytes * elements))
+
+    def profiled(self, name: str) -> float | None:
+        """Seconds of piece ``name`` measured in a profiled run of this workload, if any."""
+        workload = self.workload
+        if self.hardware.spans_for != (workload.model, workload.batch_size, workload.input_shape):
+            return None
+        return self.hardware.spans.get(name)
 
     def op(self, op: Op) -> float:
         """A traced forward or backward op."""
@@ -70,6 +81,9 @@ class WorkloadCosts:
     def factor(self, layer: LayerSpec, kind: str) -> float:
         """A hook's work: the product, the hook's Python, the accumulator's scaling and,
         with more than one rank, the hand-over into the exchange."""
+        profiled = self.profiled(f"factor_compute/{layer.name}/{kind}")
+        if profiled is not None:
+            return profiled
         dim = layer.a_dim if kind == "A" else layer.g_dim
         full, packed = dim * dim, packed_size(dim)
         seconds = self.hardware.factor_seconds(self.workload, layer, kind)
@@ -85,6 +99,9 @@ class WorkloadCosts:
     def step_prologue(self, factor_step: bool) -> float:
         """Before the factor wait: gradient checks, and on factor steps the factors'
         finiteness check and ``mean()``."""
+        profiled = self.profiled("step/prologue") if factor_step else None
+        if profiled is not None:
+            return profiled
         layers = self.workload.layers
         seconds = sum(self.primitive("finite_all", layer.g_dim * layer.a_dim) for layer in layers)
         if factor_step:
@@ -95,6 +112,9 @@ class WorkloadCosts:
 
     def unpack_factors(self) -> float:
         """Rebuilding every reduced factor inside the exchange's ``wait()``."""
+        profiled = self.profiled("factor_comm/unpack")
+        if profiled is not None:
+            return profiled
         return sum(
             self.primitive("scale", packed_size(d))
             + self.primitive("unpack", d * d)
@@ -104,11 +124,15 @@ class WorkloadCosts:
 
     def running_average(self) -> float:
         """``F ← ξF + (1−ξ)F_new`` for every factor."""
+        profiled = self.profiled("factor_compute/running_average")
+        if profiled is not None:
+            return profiled
         return sum(self.primitive("average", d * d) for d in self._dims())
 
-    def inverse(self, dim: int) -> float:
-        """One damped inverse."""
-        return self.hardware.inverse.predict(dim)
+    def inverse(self, dim: int, key: str | None = None) -> float:
+        """One damped inverse (of factor ``key``, when a profiled run timed it)."""
+        profiled = None if key is None else self.profiled(f"inverse_compute/{key}")
+        return self.hardware.inverse.predict(dim) if profiled is None else profiled
 
     def pack_inverse(self, dim: int) -> float:
         """The owner packing one inverse into its broadcast buffer."""
@@ -121,6 +145,9 @@ class WorkloadCosts:
 
     def precondition(self, layer: LayerSpec) -> float:
         """``V = Ĝ ∇ Â`` (two GEMMs) and the per-layer Python of ``step()`` around it."""
+        profiled = self.profiled(f"precondition/{layer.name}")
+        if profiled is not None:
+            return profiled
         seconds = self.hardware.layer_step_overhead_seconds
         if "matmul" in self.hardware.bookkeeping:
             return seconds + self.primitive("matmul", layer.precondition_flops)
@@ -134,6 +161,9 @@ class WorkloadCosts:
 
     def kl_clip(self) -> float:
         """``Σ⟨V, ∇⟩`` over layers, then scaling and writing every gradient back."""
+        profiled = self.profiled("precondition/kl_clip")
+        if profiled is not None:
+            return profiled
         return sum(
             self.primitive("dot", n) + self.primitive("scale", n) + self.primitive("copy", n)
             for n in (layer.g_dim * layer.a_dim for layer in self.workload.layers)
@@ -142,6 +172,9 @@ class WorkloadCosts:
     def optimizer(self) -> float:
         """Momentum SGD over every parameter tensor, ``zero_grad`` and the per-iteration
         host overhead."""
+        profiled = self.profiled("iteration/tail")
+        if profiled is not None:
+            return profiled
         return self.hardware.iteration_overhead_seconds + sum(
             self.primitive("sgd", numel) for _, numel in self.workload.parameters
         )

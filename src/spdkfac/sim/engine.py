@@ -15,7 +15,10 @@ Communication and computation can get in each other's way (both default off):
 ``overlap`` < 1 is the share of its rate a transfer keeps while any participant computes;
 ``contention`` > 0 slows a rank's computation by that share while one of its collectives
 is under way, start-up included (gloo's threads copying and reducing on the same CPU
-cores, NCCL kernels taking GPU SMs).
+cores, NCCL kernels taking GPU SMs). A collective may carry its own values of both
+(a broadcast reduces nothing and may cost the CPUs less than an all-reduce); a rank
+computing under several collectives at once is slowed by the largest contention, times
+the rank's own ``sensitivity`` (how hard the communication threads hit it this time).
 
 Everything happens in global time order (a heap of events), so results are exact up to
 floating-point rounding and independent of the order ranks are listed in.
@@ -74,8 +77,12 @@ class _Engine:
         collectives: Sequence[Collective],
         overlap: float,
         contention: float,
+        sensitivity: Sequence[float] | None = None,
     ) -> None:
         ranks = len(programs)
+        self.sensitivity = list(sensitivity) if sensitivity is not None else [1.0] * ranks
+        if len(self.sensitivity) != ranks or any(not s >= 0 for s in self.sensitivity):
+            raise ValueError("sensitivity needs one number >= 0 per rank")
         for name, value in (("overlap", overlap), ("contention", contention)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
@@ -88,9 +95,19 @@ class _Engine:
                 raise ValueError(f"collective {index} ({collective.label}) has bad participants")
             if collective.alpha < 0 or collective.work < 0:
                 raise ValueError(f"collective {index} ({collective.label}) has a negative cost")
+            if collective.overlap is not None and not 0.0 <= collective.overlap <= 1.0:
+                raise ValueError(f"collective {index} ({collective.label}) has a bad overlap")
+            if collective.contention is not None and not 0.0 <= collective.contention < 1.0:
+                raise ValueError(f"collective {index} ({collective.label}) has a bad contention")
         self.programs, self.collectives = programs, collectives
         self.overlap, self.contention = overlap, contention
-        self.interacts = overlap < 1.0 or contention > 0.0
+        self.overlaps = [overlap if c.overlap is None else c.overlap for c in collectives]
+        self.contentions = [
+            contention if c.contention is None else c.contention for c in collectives
+        ]
+        self.interacts = any(v < 1.0 for v in self.overlaps) or any(
+            v > 0.0 for v in self.contentions
+        )
         self.now = 0.0
         self.heap: list[tuple[float, int, str, int, int]] = []
         self.counter = itertools.count()
@@ -225,7 +242,7 @@ class _Engine:
         if any(self.queues[(r, collective.channel)][0] != index for r in collective.participants):
             return
         self.starts[index] = self.now
-        if self.contention > 0:  # its start-up occupies the ranks too
+        if self.contentions[index] > 0:  # its start-up occupies the ranks too
             self.advance_all()
             self.starting.add(index)
             self.relink()
@@ -250,7 +267,8 @@ class _Engine:
         for index, moving in self.active.items():
             participants = self.collectives[index].participants
             computing = any(self.work[r] is not None for r in participants)
-            moving.rate = (self.overlap if computing else 1.0) / max(load[r] for r in participants)
+            share = self.overlaps[index] if computing else 1.0
+            moving.rate = share / max(load[r] for r in participants)
             due = moving.due()
             if due is not None:
                 soonest = due if soonest is None else min(soonest, due)
@@ -258,13 +276,14 @@ class _Engine:
             self.push(soonest, "link", 0, self.link_version)
         if not self.interacts:
             return
-        communicating = set(load)
-        for index in self.starting:
-            communicating.update(self.collectives[index].participants)
+        slowed: dict[int, float] = {}
+        for index in (*self.active, *self.starting):
+            for rank in self.collectives[index].participants:
+                slowed[rank] = max(slowed.get(rank, 0.0), self.contentions[index])
         for rank, work in enumerate(self.work):
             if work is None:
                 continue
-            rate = 1.0 - self.contention if rank in communicating else 1.0
+            rate = 1.0 - min(0.95, slowed.get(rank, 0.0) * self.sensitivity[rank])
             if rate != work.rate or work.version == 0:
                 work.rate = rate
                 work.version = next(self.counter)  # unique: stale events never match
@@ -302,6 +321,7 @@ def simulate(
     *,
     overlap: float = 1.0,
     contention: float = 0.0,
+    sensitivity: Sequence[float] | None = None,
 ) -> SimulationResult:
     """Run one program per rank (rank = position) with the given collectives.
 
@@ -311,10 +331,12 @@ def simulate(
         overlap: Share of its link rate a transfer keeps while any participant computes.
         contention: Share of its speed a rank's computation loses while one of its
             collectives is under way (start-up or transfer).
+        sensitivity: Per rank, a factor on every contention it suffers (default 1; the
+            loss is capped at 95 % of its speed).
 
     Raises:
         ValueError: Malformed programs (negative times, unbalanced spans, a rank issuing a
             collective it is not part of, or twice) or knobs outside [0, 1).
         RuntimeError: A deadlock (a rank waits for a collective that can never start).
     """
-    return _Engine(programs, collectives, overlap, contention).run()
+    return _Engine(programs, collectives, overlap, contention, sensitivity).run()

@@ -144,6 +144,8 @@ class Hardware:
         bytes_per_element: Bytes of one communicated element.
         bookkeeping: Measured elementwise primitives (:data:`spdkfac.sim.costs.PRIMITIVES`):
             name → (seconds per call, seconds per element); others use the roofline.
+        bookkeeping_scale: Factor on every bookkeeping primitive (a profiled run finds
+            them slower inside a real step than measured alone).
         hook_overhead_seconds: Host time per K-FAC hook call beyond the product itself.
         issue_overhead_seconds: Host time to post one asynchronous collective.
         layer_step_overhead_seconds: Host time per layer per ``step()`` (counted with the
@@ -162,9 +164,25 @@ class Hardware:
             :func:`~spdkfac.sim.engine.simulate`).
         contention: Share of its speed a rank's computation loses while one of its
             transfers moves (gloo copying on the same CPU cores; NCCL kernels on the GPU).
+        broadcast_overlap: ``overlap`` of broadcasts (None: ``overlap``).
+        broadcast_contention: ``contention`` of broadcasts (None: ``contention``).
         rank_spread: Relative standard deviation of the ranks' compute speeds (a
             straggler model: rank r's compute takes ``1 + rank_spread·z_r`` times longer,
             ``z`` spread as normal quantiles).
+        jitter: Relative standard deviation of a rank's compute from one iteration to the
+            next, independent across ranks (what makes ranks wait for each other at
+            collectives even when they are equally fast on average); simulated by
+            drawing iterations (:func:`~spdkfac.sim.simulator.simulate_strategy`).
+        phase_jitter: ``jitter`` of the compute of one phase (``inverse_compute``,
+            ``forward_backward``, ...; :data:`~spdkfac.sim.timeline.JITTER_PHASES`), drawn
+            independently of the others; phases not listed use ``jitter``.
+        contention_spread: Relative standard deviation of the contention a rank suffers
+            from one iteration to the next (independent across ranks; drawn like
+            ``jitter``): communication threads slow some iterations of some ranks far
+            more than others, so ranks drift apart while factors travel.
+        spans: Seconds of named pieces measured inside a profiled run of the real code
+            (:class:`~spdkfac.sim.profiled.ProfiledCompute`), used instead of the models.
+        spans_for: ``(model, batch size, example shape)`` ``spans`` were measured on.
         notes: Free-form remarks for reports.
     """
 
@@ -178,6 +196,7 @@ class Hardware:
     planning: CommunicationModel | None = None
     bytes_per_element: int = 4
     bookkeeping: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    bookkeeping_scale: float = 1.0
     hook_overhead_seconds: float = 0.0
     issue_overhead_seconds: float = 0.0
     layer_step_overhead_seconds: float = 0.0
@@ -189,7 +208,14 @@ class Hardware:
     broadcast_buffers: bool = True
     overlap: float = 1.0
     contention: float = 0.0
+    broadcast_overlap: float | None = None
+    broadcast_contention: float | None = None
     rank_spread: float = 0.0
+    jitter: float = 0.0
+    phase_jitter: Mapping[str, float] = field(default_factory=dict)
+    contention_spread: float = 0.0
+    spans: Mapping[str, float] = field(default_factory=dict)
+    spans_for: tuple[str, int, tuple[int, ...]] | None = None
     notes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -201,6 +227,10 @@ class Hardware:
             if any(not math.isfinite(value) or value < 0 for value in pair):
                 raise ValueError(f"bookkeeping[{name!r}] must be two numbers >= 0, got {pair}")
         object.__setattr__(self, "bookkeeping", MappingProxyType(primitives))
+        spans = {str(name): float(seconds) for name, seconds in self.spans.items()}
+        if any(not math.isfinite(seconds) or seconds < 0 for seconds in spans.values()):
+            raise ValueError("spans must map names to seconds >= 0")
+        object.__setattr__(self, "spans", MappingProxyType(spans))
         for name in (
             "hook_overhead_seconds",
             "issue_overhead_seconds",
@@ -215,8 +245,28 @@ class Hardware:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
         if not 0.0 <= self.rank_spread < 0.5:
             raise ValueError(f"rank_spread must be in [0, 0.5), got {self.rank_spread!r}")
+        if self.broadcast_overlap is not None and not 0.0 <= self.broadcast_overlap <= 1.0:
+            raise ValueError(f"broadcast_overlap must be in [0, 1], got {self.broadcast_overlap!r}")
+        if self.broadcast_contention is not None and not 0.0 <= self.broadcast_contention < 1.0:
+            raise ValueError(
+                f"broadcast_contention must be in [0, 1), got {self.broadcast_contention!r}"
+            )
+        if not (math.isfinite(self.bookkeeping_scale) and self.bookkeeping_scale > 0):
+            raise ValueError(f"bookkeeping_scale must be > 0, got {self.bookkeeping_scale!r}")
+        if not 0.0 <= self.contention_spread <= 2.0:
+            raise ValueError(f"contention_spread must be in [0, 2], got {self.contention_spread!r}")
+        phases = {str(phase): float(value) for phase, value in self.phase_jitter.items()}
+        for phase, value in (("", self.jitter), *phases.items()):
+            if not 0.0 <= value < 0.5:
+                name = f"phase_jitter[{phase!r}]" if phase else "jitter"
+                raise ValueError(f"{name} must be in [0, 0.5), got {value!r}")
+        object.__setattr__(self, "phase_jitter", MappingProxyType(phases))
         if not 0.0 <= self.contention < 1.0:
             raise ValueError(f"contention must be in [0, 1), got {self.contention!r}")
+
+    def jitter_of(self, phase: str) -> float:
+        """The relative standard deviation of ``phase``'s compute per iteration."""
+        return self.phase_jitter.get(phase, self.jitter)
 
     def cost_model(self, world_size: int) -> CostModel:
         """The :class:`CostModel` a real run on this hardware would plan with."""

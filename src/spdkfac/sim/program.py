@@ -71,6 +71,9 @@ class Collective:
         participants: Ranks taking part.
         alpha: Start-up seconds (no bandwidth used).
         work: Transfer seconds at the full link rate (β·bytes).
+        overlap: This collective's own ``overlap`` (None: the engine's; see
+            :func:`~spdkfac.sim.engine.simulate`).
+        contention: This collective's own ``contention`` (None: the engine's).
     """
 
     label: str
@@ -78,6 +81,8 @@ class Collective:
     participants: tuple[int, ...]
     alpha: float
     work: float
+    overlap: float | None = None
+    contention: float | None = None
 
 
 @dataclass

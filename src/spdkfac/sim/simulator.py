@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -12,12 +13,14 @@ from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.engine import simulate
 from spdkfac.sim.hardware import Hardware
 from spdkfac.sim.strategies import STRATEGY_TABLE, Strategy, StrategySetup, prepare
-from spdkfac.sim.timeline import build_iteration
+from spdkfac.sim.timeline import JITTER_PHASES, build_iteration
 from spdkfac.sim.workload import Workload
 
 __all__ = ["IterationKind", "StrategyResult", "simulate_strategies", "simulate_strategy"]
 
 _MAX_CYCLE = 100_000
+#: Iterations drawn per kind with jitter or a contention spread (fixed seed: reproducible).
+JITTER_SAMPLES = 48
 
 
 @dataclass(frozen=True)
@@ -83,14 +86,55 @@ def _cycle(factor_update_steps: int, inv_update_steps: int) -> dict[tuple[bool, 
     return counts
 
 
-def _run_kind(setup: StrategySetup, factor_step: bool, inverse_step: bool) -> list[Event]:
-    programs, collectives = build_iteration(
-        setup, factor_step=factor_step, inverse_step=inverse_step
-    )
+def _run_kind(
+    setup: StrategySetup, factor_step: bool, inverse_step: bool
+) -> tuple[list[Event], float, dict[str, float]]:
+    """One kind of iteration: its timeline (the first draw), mean time and breakdown.
+
+    With jitter (``Hardware.jitter_of``) each phase's compute of each rank in each drawn
+    iteration is scaled by ``1 + jitter·z`` and with ``Hardware.contention_spread`` > 0
+    the contention it suffers by ``1 + contention_spread·z'`` (``z``, ``z'`` standard
+    normal, independent per rank, phase and iteration, from a fixed seed; factors kept
+    >= 0.5 and >= 0), so ranks reach every collective at different times, as they do on
+    real machines; the results are means over :data:`JITTER_SAMPLES` draws.
+    """
     hardware = setup.costs.hardware
-    return simulate(
-        programs, collectives, overlap=hardware.overlap, contention=hardware.contention
-    ).events
+    world = setup.costs.world_size
+    draws: list[tuple[list[dict[str, float]], list[float]] | None] = [None]
+    jitter = {phase: hardware.jitter_of(phase) for phase in JITTER_PHASES}
+    if (any(jitter.values()) or hardware.contention_spread > 0) and world > 1:
+        rng = random.Random(1000 * factor_step + inverse_step)
+        draws = []
+        for _ in range(JITTER_SAMPLES):
+            speed = [
+                {p: max(0.5, 1.0 + sd * rng.gauss(0.0, 1.0)) for p, sd in jitter.items()}
+                for _ in range(world)
+            ]
+            spread = hardware.contention_spread
+            hit = [max(0.0, 1.0 + spread * rng.gauss(0.0, 1.0)) for _ in range(world)]
+            draws.append((speed, hit))
+    timeline: list[Event] = []
+    seconds = 0.0
+    totals = dict.fromkeys(BREAKDOWN_CATEGORIES, 0.0)
+    for draw in draws:
+        programs, collectives = build_iteration(
+            setup,
+            factor_step=factor_step,
+            inverse_step=inverse_step,
+            jitter=None if draw is None else draw[0],
+        )
+        events = simulate(
+            programs,
+            collectives,
+            overlap=hardware.overlap,
+            contention=hardware.contention,
+            sensitivity=None if draw is None else draw[1],
+        ).events
+        timeline = timeline or events
+        seconds += max((event.end for event in events), default=0.0) / len(draws)
+        for category, value in breakdown(events, 1).items():
+            totals[category] += value / len(draws)
+    return timeline, seconds, totals
 
 
 def _summary(setup: StrategySetup) -> str:
@@ -140,11 +184,10 @@ def simulate_strategy(
     timeline: list[Event] = []
     offset = 0.0
     for (factor_step, inverse_step), count in sorted(counts.items(), reverse=True):
-        events = _run_kind(setup, factor_step, inverse_step)
-        seconds = max((event.end for event in events), default=0.0)
-        kinds.append(IterationKind(factor_step, inverse_step, count, seconds, breakdown(events, 1)))
+        events, seconds, split = _run_kind(setup, factor_step, inverse_step)
+        kinds.append(IterationKind(factor_step, inverse_step, count, seconds, split))
         timeline.extend(Event(e.name, e.rank, e.start + offset, e.duration) for e in events)
-        offset += seconds
+        offset += max((event.end for event in events), default=0.0)
     total = sum(kind.count for kind in kinds)
     mean = {
         category: sum(kind.count * kind.breakdown[category] for kind in kinds) / total

@@ -31,11 +31,12 @@ Transfers on different channels share each rank's link (see :mod:`spdkfac.sim.en
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from spdkfac.linalg import packed_size
 from spdkfac.placement import EVERY_RANK
-from spdkfac.profiling import span_name
+from spdkfac.profiling import phase_of, span_name
 from spdkfac.sim.program import Close, Collective, Compute, Instruction, Issue, Open, Wait
 from spdkfac.sim.strategies import StrategySetup
 from spdkfac.sim.workload import FactorHook, GradReady, Op
@@ -54,8 +55,18 @@ class _Builder:
 
     def collective(self, label: str, channel: str, kind: str, nbytes: float) -> int:
         model = self.models[kind]
+        hardware = self.costs.hardware
+        broadcast = kind == "broadcast"
         self.collectives.append(
-            Collective(label, channel, self.world, model.alpha, model.beta * nbytes)
+            Collective(
+                label,
+                channel,
+                self.world,
+                model.alpha,
+                model.beta * nbytes,
+                overlap=hardware.broadcast_overlap if broadcast else None,
+                contention=hardware.broadcast_contention if broadcast else None,
+            )
         )
         return len(self.collectives) - 1
 
@@ -188,18 +199,24 @@ def _inverse_phase(builder: _Builder, rank: int, out: list[Instruction], ids: li
     dims = {spec.key: spec.dim for spec in plan.factors}
     if len(builder.world) == 1:
         for spec in plan.factors:
-            out.append(Compute(costs.inverse(spec.dim), span_name("inverse_compute", spec.key)))
+            out.append(
+                Compute(costs.inverse(spec.dim, spec.key), span_name("inverse_compute", spec.key))
+            )
         return
     for group, collective in zip(setup.groups, ids[:-1], strict=True):
         if group.owner == rank:
             for key in group.keys:
-                out.append(Compute(costs.inverse(dims[key]), span_name("inverse_compute", key)))
+                out.append(
+                    Compute(costs.inverse(dims[key], key), span_name("inverse_compute", key))
+                )
             pack = sum(costs.pack_inverse(dim) for dim in group.dims)
             out.append(Compute(pack, span_name("inverse_compute", "pack")))
         _issue(builder, collective, out)
     for spec, owner in zip(plan.factors, plan.owners, strict=True):
         if owner == EVERY_RANK:
-            out.append(Compute(costs.inverse(spec.dim), span_name("inverse_compute", spec.key)))
+            out.append(
+                Compute(costs.inverse(spec.dim, spec.key), span_name("inverse_compute", spec.key))
+            )
     for group, collective in zip(setup.groups, ids[:-1], strict=True):
         out.append(Wait((collective,), span_name("inverse_comm", "wait")))
         if group.owner != rank:
@@ -209,7 +226,11 @@ def _inverse_phase(builder: _Builder, rank: int, out: list[Instruction], ids: li
 
 
 def build_iteration(
-    setup: StrategySetup, *, factor_step: bool, inverse_step: bool
+    setup: StrategySetup,
+    *,
+    factor_step: bool,
+    inverse_step: bool,
+    jitter: Sequence[Mapping[str, float]] | None = None,
 ) -> tuple[list[list[Instruction]], list[Collective]]:
     """Programs of every rank and the collectives for one iteration of ``setup``.
 
@@ -217,6 +238,8 @@ def build_iteration(
         setup: The strategy's plans (see :func:`~spdkfac.sim.strategies.prepare`).
         factor_step: Whether factors are computed and exchanged this iteration.
         inverse_step: Whether inverses are recomputed this iteration.
+        jitter: Per rank, a further factor on its compute times this iteration, by phase
+            (:data:`JITTER_PHASES`; a missing phase: 1).
     """
     builder = _Builder(setup)
     costs = builder.costs
@@ -266,15 +289,42 @@ def build_iteration(
         if kfac and inverse_step:
             _inverse_phase(builder, rank, middle, inverse_ids)
         program = prefix + middle + suffix
-        if speeds[rank] != 1.0:
-            program = [
-                replace(step, seconds=step.seconds * speeds[rank])
-                if isinstance(step, Compute)
-                else step
-                for step in program
-            ]
+        by_phase = {} if jitter is None else jitter[rank]
+        if speeds[rank] != 1.0 or by_phase:
+            program = _scaled(program, speeds[rank], by_phase)
         programs.append(program)
     return programs, builder.collectives
+
+
+#: Phases whose compute times vary independently from one iteration to the next.
+JITTER_PHASES = (
+    "forward_backward",
+    "factor_compute",
+    "factor_comm",
+    "inverse_compute",
+    "precondition",
+    "step",
+    "iteration",
+)
+
+
+def _scaled(
+    program: list[Instruction], speed: float, factors: Mapping[str, float]
+) -> list[Instruction]:
+    """``program`` with every computation scaled by ``speed`` and by the factor of its
+    phase: its own span's, else the innermost open span's."""
+    scaled: list[Instruction] = []
+    open_phases: list[str] = []
+    for step in program:
+        if isinstance(step, Open):
+            open_phases.append(phase_of(step.name))
+        elif isinstance(step, Close):
+            open_phases.pop()
+        elif isinstance(step, Compute):
+            phase = phase_of(step.name) if step.name else (open_phases or ["iteration"])[-1]
+            step = replace(step, seconds=step.seconds * speed * factors.get(phase, 1.0))
+        scaled.append(step)
+    return scaled
 
 
 def rank_speeds(world_size: int, spread: float) -> list[float]:
