@@ -10,8 +10,8 @@ from the ``u = min(t_c', t_p')`` seconds both ran: ``T_c = overlap·u + (t_c' �
 ``t_p' − T_p = contention·u``. It also times posting one asynchronous all-reduce
 (``issue_overhead_seconds``) and an 8 MiB all-reduce alone (``transfer_alone_s``, the
 bandwidth the validation gives collectives). Knobs are means over ``--repeats`` rounds,
-with their standard errors (``*_se``); the rounds' own spread of contention
-(``contention_sd``) over its mean is the simulator's ``contention_spread``. The same rounds
+with their standard errors (``*_se``); how differently the two ranks are slowed in the
+same round, relative to the mean, is the simulator's ``contention_spread``. The same rounds
 with a broadcast from rank 0 instead of the all-reduce give ``broadcast_overlap`` and
 ``broadcast_contention`` (a broadcast reduces nothing, so it may cost the CPUs less). Rank 0
 prints JSON and, with ``--out``, merges it into a file keyed by link.
@@ -93,6 +93,14 @@ def _rounds(
         under = min(c2, p2)
         overlaps.append(min(1.0, max(0.0, (c - (c2 - under)) / under)))
         contentions.append(max(0.0, min(0.95, (p2 - p) / under)))
+    # How differently the two ranks are slowed in the same round: what makes them drift
+    # apart (the simulator draws each rank's contention independently, so the difference
+    # of two draws has √2 times the spread of one).
+    mine = torch.tensor(contentions, dtype=torch.float64)
+    both = comm.all_gather(mine).wait()
+    differences = (both[0] - both[1]).tolist()
+    mean = float(torch.stack(both).mean())
+    spread = statistics.stdev(differences) / 2**0.5 / mean if mean > 0 else 0.0
     return {
         "compute_alone_s": t_p,
         "interference_transfer_alone_s": t_c,
@@ -103,6 +111,7 @@ def _rounds(
         "overlap_se": statistics.stdev(overlaps) / len(rows) ** 0.5,
         "contention_se": statistics.stdev(contentions) / len(rows) ** 0.5,
         "contention_sd": statistics.stdev(contentions),
+        "contention_spread": spread,
     }
 
 
@@ -145,6 +154,7 @@ def _worker(link: str, repeats: int) -> None:
             measured["broadcast_overlap_se"] = broadcast["overlap_se"]
             measured["broadcast_contention_se"] = broadcast["contention_se"]
             measured["broadcast_contention_sd"] = broadcast["contention_sd"]
+            measured["broadcast_contention_spread"] = broadcast["contention_spread"]
             print(json.dumps(measured), flush=True)
     finally:
         destroy_distributed()

@@ -132,8 +132,8 @@ def run_costs(results: BenchResults) -> Hardware:
         )
     names = ("overlap", "contention", "broadcast_overlap", "broadcast_contention")
     knobs = {k: link[k] for k in (*names, "issue_overhead_seconds") if k in link}
-    if link.get("contention", 0.0) > 0 and "contention_sd" in link:
-        knobs["contention_spread"] = min(2.0, link["contention_sd"] / link["contention"])
+    if "contention_spread" in link:
+        knobs["contention_spread"] = min(2.0, link["contention_spread"])
     return replace(
         cpu_preset(),
         inverse=_inverse(str(costs["inverse"])),

@@ -71,12 +71,12 @@ CPU_ITERATION_OVERHEAD = 0.0
 # benchmarks/calibrate_sim_interference.py --link loopback
 # (benchmarks/reports/sim_interference_cpu.json; means of 31 rounds, standard errors
 # 0.02-0.03; an earlier 7-round median-based measurement gave 0.71 / 0.32)
-CPU_OVERLAP = 0.49
-CPU_CONTENTION = 0.41
-CPU_CONTENTION_SPREAD = 0.24
+CPU_OVERLAP = 0.51
+CPU_CONTENTION = 0.39
+CPU_CONTENTION_SPREAD = 0.33
 CPU_BROADCAST_OVERLAP = 0.57
-CPU_BROADCAST_CONTENTION = 0.41
-CPU_ISSUE_OVERHEAD = 7.25e-05
+CPU_BROADCAST_CONTENTION = 0.37
+CPU_ISSUE_OVERHEAD = 0.000114
 
 
 def cpu_preset() -> Hardware:
