@@ -53,11 +53,17 @@ _FLOAT = r"([0-9.]+(?:e[-+]?[0-9]+)?)"
 MEASURED = "benchmarks/reports/sim_measured_{model}_b{batch}.json"
 #: The profiled run the "profiled" compute comes from, by model.
 PROFILED = "bench_{model}_loopback"  # beside the validated run's own folder
-#: Runs validated by default: one session's set (all four taken one after the other),
-#: then the older runs of earlier sessions.
-DEFAULT_RUNS = (
-    "benchmarks/reports/validation/*/results.json",
-    "benchmarks/reports/*/results.json",
+#: Runs validated by default: (label, results.json glob, folder of the profiled runs
+#: (None: beside the run), whether to add the measured-compute and roofline tables).
+RUN_SETS: tuple[tuple[str, str, str | None, bool], ...] = (
+    ("one session", "benchmarks/reports/validation/*/results.json", None, True),
+    (
+        "one session, profiled on a repeat",
+        "benchmarks/reports/validation/*/results.json",
+        "benchmarks/reports/validation_repeat",
+        False,
+    ),
+    ("earlier sessions", "benchmarks/reports/*/results.json", None, True),
 )
 PROFILED_VARIANT = "d-kfac"
 LIMIT = 0.15
@@ -204,10 +210,13 @@ Score = dict[tuple[str, str], dict[str, list[int]]]
 
 
 def _validate(
-    path: str, measured_files: dict[str, str], scores: Score
+    path: str,
+    measured_files: dict[str, str],
+    scores: Score,
+    run_set: tuple[str, str | None, bool] = ("given", None, True),
 ) -> tuple[list[str], list[str]]:
     results = BenchResults.load(path)
-    runs = "one session (validation/)" if "/validation/" in path else "earlier sessions"
+    runs, profiles, all_modes = run_set
     entry = model_by_name(results.model, input_size=_input_size(results))
     workload = trace_workload(
         entry.build, entry.input_shape, batch_size=results.batch_size, name=entry.name
@@ -217,7 +226,7 @@ def _validate(
     link = "1 Gbit/s" if "1gbit" in results.link else results.link.split(" ")[0]
     title = (
         f"`{Path(path).parent}`: {results.model}, {results.world_size} ranks x batch "
-        f"{results.batch_size}, {link}"
+        f"{results.batch_size}, {link}" + (f" ({runs})" if profiles else "")
     )
     lines = [
         f"### {title}",
@@ -236,7 +245,7 @@ def _validate(
     def score(compute: str) -> dict[str, list[int]]:
         return scores.setdefault((runs, compute), {})
 
-    profiled_dir = Path(path).parent.parent / PROFILED.format(model=results.model)
+    profiled_dir = Path(profiles or Path(path).parent.parent) / PROFILED.format(model=results.model)
     trace = profiled_dir / "traces" / f"{PROFILED_VARIANT}.json"
     if trace.exists():
         profile = ProfiledCompute.load(trace)
@@ -251,6 +260,8 @@ def _validate(
         ]
         lines += [*_table(results, simulated, PROFILED_VARIANT if same else ""), ""]
         summary.append(_summary(title, "profiled", results, simulated, score))
+    if not all_modes:
+        return lines, summary
     measured_path = measured_files.get(results.model) or MEASURED.format(
         model=results.model, batch=results.batch_size
     )
@@ -308,8 +319,11 @@ def _summary(
 RUNS_NOTE = (
     "Runs: `benchmarks/reports/validation/` holds four `spdkfac bench` runs taken one after "
     "the other in one session (ResNet-32 and WRN-16-4, loopback and the emulated 1 Gbit/s "
-    "cluster); the other runs are from earlier sessions (a 1 Gbit/s run's forward/backward "
-    "up to 13 % slower than in its loopback calibration run). Every run is simulated with "
+    "cluster); `validation_repeat/` repeats the two loopback runs 30 minutes later (4-7 % "
+    "faster) with traces of every iteration, and the one-session set is also simulated "
+    "from their profiles; the other runs are from earlier sessions (a 1 Gbit/s run's "
+    "forward/backward up to 13 % slower than in its loopback calibration run). Every run "
+    "is simulated with "
     "the `cpu` preset, the inverse and α-β fits the run planned with, the 8 MiB all-reduce "
     "bandwidth and the interference of its link (`{interference}`), and three sources of "
     "compute: *profiled* (the spans of the D-KFAC variant of the loopback run in the same "
@@ -337,10 +351,11 @@ def main() -> int:
     for item in args.measured:
         model, _, path = item.partition("=")
         measured[model] = path
-    paths = args.results or [
+    given: tuple[str, str | None, bool] = ("given", None, True)
+    paths = [(path, given) for path in args.results] or [
         # Other benchmarks also write results.json; keep those of `spdkfac bench`.
-        path
-        for pattern in DEFAULT_RUNS
+        (path, (label, profiles, all_modes))
+        for label, pattern, profiles, all_modes in RUN_SETS
         for path in sorted(glob.glob(pattern))
         if "format" in json.loads(Path(path).read_text())
     ]
@@ -354,8 +369,8 @@ def main() -> int:
         "|---|---|---|---|---|",
     ]
     scores: Score = {}
-    for path in paths:
-        lines, rows = _validate(path, measured, scores)
+    for path, run_set in paths:
+        lines, rows = _validate(path, measured, scores, run_set)
         body += lines
         summary += rows
     columns = ["iteration", *BREAKDOWN_CATEGORIES]

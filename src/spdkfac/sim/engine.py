@@ -100,7 +100,6 @@ class _Engine:
             if collective.contention is not None and not 0.0 <= collective.contention < 1.0:
                 raise ValueError(f"collective {index} ({collective.label}) has a bad contention")
         self.programs, self.collectives = programs, collectives
-        self.overlap, self.contention = overlap, contention
         self.overlaps = [overlap if c.overlap is None else c.overlap for c in collectives]
         self.contentions = [
             contention if c.contention is None else c.contention for c in collectives

@@ -24,8 +24,8 @@ scales every traced op so that their sum matches. The profiled bookkeeping piece
 unpacking of broadcast inverses in a D-KFAC trace; unpacking factors in an old trace).
 The ranks' speed spread is the relative difference of their mean compute per iteration;
 the jitter is the relative standard deviation of one rank's compute from iteration to
-iteration (pooled over ranks), which makes equally fast ranks wait for each other at
-every collective.
+iteration, apart from what all ranks share that iteration, which makes equally fast ranks
+wait for each other at every collective.
 
 The simulator then predicts other strategies, links and world sizes from the pieces.
 Communication waits are never taken from the trace: they are what the simulator predicts.
@@ -78,13 +78,26 @@ def _inside(event: Event, outer: Event) -> bool:
 
 
 def _relative_deviation(per_rank: Sequence[Sequence[float]]) -> float:
-    """Standard deviation of values around their rank's mean (pooled over ranks), relative
-    to the mean of all; capped below 0.5."""
-    ranks = [values for values in per_rank if values]
+    """How much one rank's values vary independently of the other ranks', relative to the
+    mean of all; capped below 0.5.
+
+    With P ≥ 2 ranks and the same number of iterations each, iteration i's deviation of
+    rank r from its own mean, less the ranks' average deviation that iteration (what all
+    ranks share does not make them wait for each other), has variance σ²(1 − 1/P) when
+    each rank varies independently with σ. One rank: the spread around its mean.
+    """
+    ranks = [list(values) for values in per_rank if values]
     overall = statistics.fmean(v for values in ranks for v in values) if ranks else 0.0
     if overall <= 0:
         return 0.0
-    variance = statistics.fmean(statistics.pvariance(values) for values in ranks)
+    deviations = [[v - statistics.fmean(values) for v in values] for values in ranks]
+    count = len(ranks)
+    if count > 1 and len({len(values) for values in ranks}) == 1:
+        shared = [statistics.fmean(column) for column in zip(*deviations, strict=True)]
+        own = [d - s for row in deviations for d, s in zip(row, shared, strict=True)]
+        variance = statistics.fmean(d * d for d in own) * count / (count - 1)
+    else:
+        variance = statistics.fmean(d * d for row in deviations for d in row)
     deviation: float = math.sqrt(variance)
     return min(deviation / overall, 0.49)
 
