@@ -142,12 +142,20 @@ class MeasuredCompute:
     @classmethod
     def load(cls, path: str | Path) -> MeasuredCompute:
         """Read a file written by :meth:`save`."""
-        source = Path(path)
-        try:
-            data = json.loads(source.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{source}: not JSON ({error})") from None
-        return cls.from_json(data, source=str(source))
+        return cls.from_json(read_json(path), source=str(path))
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON document in ``path``.
+
+    Raises:
+        ValueError: Naming the file when it is not JSON.
+    """
+    source = Path(path)
+    try:
+        return json.loads(source.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{source}: not JSON ({error})") from None
 
 
 def measure_compute(

@@ -33,7 +33,6 @@ Communication waits are never taken from the trace: they are what the simulator 
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections import defaultdict
@@ -46,6 +45,7 @@ from typing import Any
 from spdkfac.profiling import Event, phase_of
 from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.hardware import Hardware
+from spdkfac.sim.measured import read_json
 from spdkfac.sim.workload import Op, TraceItem, Workload
 
 __all__ = ["ProfiledCompute", "events_from_chrome_trace"]
@@ -227,12 +227,7 @@ class ProfiledCompute:
     @classmethod
     def load(cls, path: str | Path) -> ProfiledCompute:
         """Read a Chrome trace (``spdkfac bench``'s ``traces/<variant>.json``)."""
-        source = Path(path)
-        try:
-            data = json.loads(source.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{source}: not JSON ({error})") from None
-        return cls.from_events(events_from_chrome_trace(data), source=str(source))
+        return cls.from_events(events_from_chrome_trace(read_json(path)), source=str(path))
 
     def apply(self, workload: Workload, hardware: Hardware) -> tuple[Workload, Hardware]:
         """``workload`` with its ops scaled to the profiled forward/backward time and
