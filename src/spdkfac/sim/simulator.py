@@ -19,8 +19,9 @@ from spdkfac.sim.workload import Workload
 __all__ = ["IterationKind", "StrategyResult", "simulate_strategies", "simulate_strategy"]
 
 _MAX_CYCLE = 100_000
-#: Iterations drawn per kind with jitter or a contention spread (fixed seed: reproducible).
-JITTER_SAMPLES = 48
+#: Rank-iterations drawn per kind with jitter or a contention spread (fixed seed:
+#: reproducible): ``max(8, JITTER_SAMPLES / world size)`` iterations, each of every rank.
+JITTER_SAMPLES = 96
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def _run_kind(
     the contention it suffers by ``1 + contention_spread·z'`` (``z``, ``z'`` standard
     normal, independent per rank, phase and iteration, from a fixed seed; factors kept
     >= 0.5 and >= 0), so ranks reach every collective at different times, as they do on
-    real machines; the results are means over :data:`JITTER_SAMPLES` draws.
+    real machines; the results are means over the draws (see :data:`JITTER_SAMPLES`).
     """
     hardware = setup.costs.hardware
     world = setup.costs.world_size
@@ -105,7 +106,7 @@ def _run_kind(
     if (any(jitter.values()) or hardware.contention_spread > 0) and world > 1:
         rng = random.Random(1000 * factor_step + inverse_step)
         draws = []
-        for _ in range(JITTER_SAMPLES):
+        for _ in range(max(8, math.ceil(JITTER_SAMPLES / world))):
             speed = [
                 {p: max(0.5, 1.0 + sd * rng.gauss(0.0, 1.0)) for p, sd in jitter.items()}
                 for _ in range(world)
