@@ -2,51 +2,26 @@
 
 from __future__ import annotations
 
-import gzip
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from idx_data import write_idx, write_tiny_fashion_mnist
+
 __all__ = ["idx_writer", "tiny_fashion_mnist"]
 
 _IdxWriter = Callable[[Path, np.ndarray], Path]
-
-_TYPE_CODES = {
-    np.dtype(np.uint8): 0x08,
-    np.dtype(np.int8): 0x09,
-    np.dtype(np.int16): 0x0B,
-    np.dtype(np.int32): 0x0C,
-    np.dtype(np.float32): 0x0D,
-    np.dtype(np.float64): 0x0E,
-}
-
-
-def _write_idx(path: Path, array: np.ndarray) -> Path:
-    header = bytes([0, 0, _TYPE_CODES[array.dtype], array.ndim])
-    header += struct.pack(f">{array.ndim}I", *array.shape)
-    payload = header + array.astype(array.dtype.newbyteorder(">")).tobytes()
-    if path.suffix == ".gz":
-        payload = gzip.compress(payload)
-    path.write_bytes(payload)
-    return path
 
 
 @pytest.fixture
 def idx_writer() -> _IdxWriter:
     """Return ``write(path, array)``, gzip-compressing when the name ends in ``.gz``."""
-    return _write_idx
+    return write_idx
 
 
 @pytest.fixture
 def tiny_fashion_mnist(tmp_path: Path) -> Path:
     """A directory with random Fashion-MNIST-shaped IDX files: 256 train, 64 test images."""
-    generator = np.random.default_rng(0)
-    for prefix, count in (("train", 256), ("t10k", 64)):
-        images = generator.integers(0, 256, size=(count, 28, 28), dtype=np.uint8)
-        labels = generator.integers(0, 10, size=(count,), dtype=np.uint8)
-        _write_idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", images)
-        _write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", labels)
-    return tmp_path
+    return write_tiny_fashion_mnist(tmp_path, seed=0)

@@ -6,11 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import _write_idx
+from idx_data import write_tiny_fashion_mnist
 
 __all__ = [
     "as_flags",
@@ -23,13 +22,7 @@ __all__ = [
 
 def write_tiny_data(root: Path) -> Path:
     """Random Fashion-MNIST-shaped IDX files under ``root``: 256 train, 64 test images."""
-    generator = np.random.default_rng(1)
-    for prefix, count in (("train", 256), ("t10k", 64)):
-        images = generator.integers(0, 256, size=(count, 28, 28), dtype=np.uint8)
-        labels = generator.integers(0, 10, size=(count,), dtype=np.uint8)
-        _write_idx(root / f"{prefix}-images-idx3-ubyte.gz", images)
-        _write_idx(root / f"{prefix}-labels-idx1-ubyte", labels)
-    return root
+    return write_tiny_fashion_mnist(root, seed=1)
 
 
 def train_options(data: Path, out: Path, **changes: Any) -> dict[str, Any]:

@@ -135,7 +135,6 @@ class ProfiledCompute:
     jitter: float = 0.0
     phase_jitter: Mapping[str, float] = field(default_factory=dict)
     source: str = ""
-    metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         spans = {str(k): float(v) for k, v in self.spans.items()}
