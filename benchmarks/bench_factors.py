@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from bench_phases import capture_layer_io  # benchmarks/ is the script's directory
 from spdkfac.layers import Conv2dLayer, FactorOptions, KFACLayer, LinearLayer, lookup
-from spdkfac.layers.conv2d import _explicit_padding, conv2d_patches
-from spdkfac.layers.methods import Conv2dGeometry, select_conv2d_a_method
+from spdkfac.layers.conv2d import conv2d_geometry, conv2d_patches
+from spdkfac.layers.methods import select_conv2d_a_method
 from spdkfac.models import build_model
 
 # torchvision ResNet-50 (v1.5: stride on the 3x3) convolutions at 224x224:
@@ -157,8 +157,8 @@ def _adapter(module: nn.Module, options: FactorOptions) -> KFACLayer:
 def _matrices(module: nn.Module, layer: Layer) -> tuple[Tensor, Tensor]:
     """The contiguous [N, D] patch and [N, O] gradient matrices the reference multiplies."""
     if isinstance(module, nn.Conv2d):
-        x, padding = _explicit_padding(module, layer.inputs)
-        rows = conv2d_patches(x, module.kernel_size, module.stride, padding, module.dilation)  # type: ignore[arg-type]
+        x, geometry = conv2d_geometry(module, layer.inputs, bias=False)
+        rows = conv2d_patches(x, geometry)
         grads = layer.grad_output.movedim(1, -1).reshape(-1, layer.grad_output.shape[1])
     else:
         rows = layer.inputs.reshape(-1, layer.inputs.shape[-1])
@@ -184,15 +184,8 @@ def _definite(factor: Tensor) -> bool:
 def _method(module: nn.Module, layer: Layer, options: FactorOptions) -> str:
     if not isinstance(module, nn.Conv2d):
         return "gram"
-    x, padding = _explicit_padding(module, layer.inputs)
-    geometry = Conv2dGeometry.of(
-        x,
-        module.kernel_size,  # type: ignore[arg-type]
-        module.stride,  # type: ignore[arg-type]
-        padding,
-        module.dilation,  # type: ignore[arg-type]
-        bias=module.bias is not None,
-        compute_dtype=options.compute_dtype,
+    _, geometry = conv2d_geometry(
+        module, layer.inputs, bias=module.bias is not None, compute_dtype=options.compute_dtype
     )
     return select_conv2d_a_method(geometry, policy=options.selection)
 

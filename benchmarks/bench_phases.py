@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spdkfac.layers import lookup, precondition
-from spdkfac.layers.conv2d import conv2d_patches
+from spdkfac.layers.conv2d import conv2d_geometry, conv2d_patches
 from spdkfac.linalg import damped_inverse
 from spdkfac.models import build_model
 
@@ -65,9 +65,8 @@ def capture_layer_io(
 def _factor_rows(module: nn.Module, inputs: Tensor) -> Tensor:
     """The [N, d] matrix whose XᵀX the A factor is (bias column excluded)."""
     if isinstance(module, nn.Conv2d):
-        return conv2d_patches(
-            inputs, module.kernel_size, module.stride, module.padding, module.dilation
-        )  # type: ignore[arg-type]
+        padded, geometry = conv2d_geometry(module, inputs, bias=False)
+        return conv2d_patches(padded, geometry)
     return inputs.reshape(-1, inputs.shape[-1])
 
 

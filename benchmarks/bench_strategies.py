@@ -51,7 +51,7 @@ def _calibrate_broadcast(comm: Any) -> tuple[float, float]:
 
 
 def _model_factor_dims(model: torch.nn.Module) -> list[int]:
-    from spdkfac.discovery import discover_layers
+    from spdkfac.curvature import discover_layers
 
     layers = discover_layers(model, ())
     return sorted({d for state in layers.values() for d in (state.a_dim, state.g_dim)})

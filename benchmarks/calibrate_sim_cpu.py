@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spdkfac.calibrate_factors import measure_factors
+from spdkfac.calibrate.factors import measure_factors
 from spdkfac.costmodel import nonnegative_relative_fit
 from spdkfac.linalg import is_finite, pack_triu, unpack_triu
 from spdkfac.preconditioner import KFACPreconditioner

@@ -2,8 +2,9 @@
 
 Simulates ResNet-50 (batch 32), ResNet-152 (8) and DenseNet-201 (16) per GPU at 64
 workers with the ``paper`` preset and sets the results beside the paper's Table III,
-Fig. 10 and Fig. 12 (ALGORITHMS.md §4), plus sensitivity runs that put back two
-properties of the authors' runtime our model leaves out.
+Fig. 10 and Fig. 12 (Shi, Zhang, Li 2021, "Accelerating Distributed K-FAC with Smart
+Parallelism of Computing and Communication Tasks", Sec. VI), plus sensitivity runs that
+put back two properties of the authors' runtime our model leaves out.
 
     python benchmarks/project_sim.py --out benchmarks/reports/sim_projection.md
 """
@@ -224,8 +225,9 @@ def _fig10(hardware: Hardware) -> list[str]:
 
 
 def authors_lbp(workload: Workload, hardware: Hardware) -> Plan:
-    """The LBP placement as the authors' code ran it (ALGORITHMS.md §3): d < 1024 NCT,
-    the rest largest first to the rank with the least Σd (not predicted time)."""
+    """The LBP placement (the paper's "Load-balancing placement", Algorithm 1) as the
+    authors' public code ran it: d < 1024 NCT, the rest largest first to the rank with the
+    least Σd (not predicted time)."""
     specs = [
         FactorSpec(layer.name, kind, dim)
         for layer in workload.layers

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed_helper import run_distributed
+from distributed_helper import run_command, run_distributed
 from spdkfac.calibrate import (
     Budget,
     calibrate,
@@ -177,11 +176,8 @@ def test_cli_bad_output_directory_exits_2(
 
 
 def test_cli_bad_flag_exit_code_in_a_subprocess() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "spdkfac", "calibrate", "--sizes", "4KB,lots"],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = run_command(
+        [sys.executable, "-m", "spdkfac", "calibrate", "--sizes", "4KB,lots"], timeout=60
     )
     assert result.returncode == 2
     assert "--sizes" in result.stderr and "lots" in result.stderr

@@ -26,9 +26,8 @@ def _train_step(model: nn.Module, precond: KFACPreconditioner, seed: int) -> Non
 
 
 def _pending(precond: KFACPreconditioner) -> list[object]:
-    return [
-        s.a_pending.total for s in precond._layers.values() if s.a_pending.total is not None
-    ] + [s.g_pending.total for s in precond._layers.values() if s.g_pending.total is not None]
+    pending = precond._collector._pending.values()
+    return [p.total for p in pending if p.total is not None]
 
 
 def test_eval_and_no_grad_forwards_are_not_captured() -> None:

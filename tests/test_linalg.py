@@ -5,13 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spdkfac import linalg
 from spdkfac.linalg import InversionError, damped_inverse, pack_triu, packed_size, unpack_triu
 
 
 def _spd(dim: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(dim * 2, dim, generator=generator, dtype=dtype)
-    return x.T @ x / (dim * 2)
+    product = x.T @ x / (dim * 2)
+    # BLAS does not promise a bitwise symmetric XᵀX (it depends on the CPU's code path);
+    # P + Pᵀ is exactly symmetric (IEEE addition commutes) and halving it is exact.
+    return (product + product.T) / 2
 
 
 @pytest.mark.parametrize("dim", [1, 2, 5, 17, 64, 577])
@@ -19,6 +23,29 @@ def test_exact_symmetry_of_cholesky_inverses(dim: int) -> None:
     inverse = damped_inverse(_spd(dim, dim, torch.float32), 1e-3)
     assert torch.equal(inverse, inverse.T) and inverse.is_contiguous()
     assert torch.equal(unpack_triu(pack_triu(inverse), dim), inverse)
+
+
+def test_cholesky_inverse_without_reflection_is_made_exactly_symmetric(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # cuSOLVER's cholesky_inverse solves against the identity, so its two triangles are
+    # rounded apart: emulate that on the CPU with a lower triangle one ulp off.
+    real_cholesky_inverse = torch.cholesky_inverse
+
+    def two_solves(factor: torch.Tensor) -> torch.Tensor:
+        inverse = real_cholesky_inverse(factor)
+        lower = torch.ones_like(inverse, dtype=torch.bool).tril_(-1)
+        up = torch.tensor(float("inf"), dtype=inverse.dtype)
+        inverse[lower] = inverse[lower].nextafter(up)
+        return inverse
+
+    monkeypatch.setattr(torch, "cholesky_inverse", two_solves)
+    monkeypatch.setattr(linalg, "_CHOLESKY_INVERSE_REFLECTS", frozenset())
+    factor = _spd(17, 4)
+    inverse = damped_inverse(factor, 1e-3)
+    assert torch.equal(inverse, inverse.T) and inverse.is_contiguous()
+    expected = torch.linalg.inv(factor + 1e-3 * torch.eye(17, dtype=torch.float64))
+    torch.testing.assert_close(inverse, expected, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("dim", [1, 2, 5, 17])

@@ -12,7 +12,16 @@ from torch import nn
 from distributed_helper import run_distributed
 from spdkfac import KFACPreconditioner
 from spdkfac.comm import TorchDistributedCommunicator, gather_events
-from spdkfac.profiling import Event, Profiler, breakdown, chrome_trace, phase_of, span_name
+from spdkfac.profiling import (
+    PHASES,
+    Event,
+    Phase,
+    Profiler,
+    breakdown,
+    chrome_trace,
+    phase_of,
+    span_name,
+)
 
 
 def test_breakdown_of_a_synthetic_timeline_is_exact() -> None:
@@ -56,6 +65,28 @@ def test_span_names() -> None:
     assert phase_of("kfac/inverse_comm/wait") == "inverse_comm"
     with pytest.raises(ValueError, match="kfac/<phase>/<layer>"):
         phase_of("forward")
+
+
+def test_phases_are_one_enum_accepted_as_members_or_values() -> None:
+    assert span_name(Phase.INVERSE_COMM, "wait") == span_name("inverse_comm", "wait")
+    assert span_name(Phase.STEP) == "kfac/step/all"
+    assert set(PHASES) == set(Phase)
+    assert phase_of(span_name(Phase.FLAG_COMM, "skip")) == Phase.FLAG_COMM
+    with pytest.raises(ValueError, match=r"phase must be one of .*got 'forward'"):
+        span_name("forward", "x")
+
+
+def test_enabled_spans_show_in_torch_profiler() -> None:
+    enabled, disabled = Profiler(enabled=True), Profiler()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+        with enabled.span(span_name(Phase.PRECONDITION, "probe")):
+            torch.ones(3).add_(1.0)
+        with disabled.span(span_name(Phase.PRECONDITION, "silent")):
+            torch.ones(3).add_(1.0)
+    names = {event.name for event in trace.events()}
+    assert "kfac/precondition/probe" in names
+    assert "kfac/precondition/silent" not in names
+    assert [e.name for e in enabled.events()] == ["kfac/precondition/probe"]
 
 
 def test_disabled_profiler_records_nothing() -> None:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Sequence
 
 import torch
 
 from spdkfac.comm import Communicator
 from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel, resolve_cost_model
-from spdkfac.curvature import LayerState
+from spdkfac.curvature import CurvatureBlock
 
 __all__ = ["check_agreement", "shared_cost_model"]
 
@@ -22,7 +22,7 @@ __all__ = ["check_agreement", "shared_cost_model"]
 def check_agreement(
     communicator: Communicator,
     fingerprint: str,
-    layers: Mapping[str, LayerState] | None,
+    blocks: Sequence[CurvatureBlock] | None,
     local_error: ValueError | None,
 ) -> None:
     """All ranks compare a digest of their options and layers; any difference fails all.
@@ -30,7 +30,7 @@ def check_agreement(
     Args:
         communicator: The group.
         fingerprint: This rank's options (``KFACConfig.fingerprint()``).
-        layers: This rank's registered layers, or None when discovering them failed.
+        blocks: This rank's curvature blocks, or None when discovering them failed.
         local_error: That failure; re-raised here after the others learned about it.
 
     Raises:
@@ -40,11 +40,7 @@ def check_agreement(
         if local_error is not None:
             raise local_error
         return
-    described = (
-        "error"
-        if layers is None
-        else ";".join(f"{n}:{s.a_dim}x{s.g_dim}" for n, s in layers.items())
-    )
+    described = "error" if blocks is None else ";".join(block.describe() for block in blocks)
     digest = hashlib.sha256(f"{fingerprint}|{described}".encode()).digest()
     local = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(communicator.device)
     gathered = [t.cpu() for t in communicator.all_gather(local).wait()]
@@ -54,7 +50,7 @@ def check_agreement(
     if differing:
         raise ValueError(
             f"ranks disagree on the K-FAC options or registered layers: ranks {differing} "
-            f"differ from rank 0 (rank {communicator.rank}: {len(layers or {})} layers, "
+            f"differ from rank 0 (rank {communicator.rank}: {len(blocks or ())} layers, "
             f"{fingerprint})"
         )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from spdkfac.comm import Communicator
+from spdkfac.curvature import CurvatureBlock
 from spdkfac.linalg import (
     InverseMethod,
     damped_inverse,
@@ -20,9 +21,15 @@ from spdkfac.linalg import (
     unpack_triu,
 )
 from spdkfac.placement import EVERY_RANK, Plan
-from spdkfac.profiling import Profiler, span_name
+from spdkfac.profiling import Phase, Profiler, span_name
 
-__all__ = ["BroadcastGroup", "InverseOutcome", "broadcast_groups", "invert_factors"]
+__all__ = [
+    "BroadcastGroup",
+    "InverseOutcome",
+    "InversePhase",
+    "broadcast_groups",
+    "invert_factors",
+]
 
 
 @dataclass(frozen=True)
@@ -119,7 +126,7 @@ def invert_factors(
     failed_here: set[str] = set()
 
     def invert(key: str) -> Tensor | None:
-        with profiler.span(span_name("inverse_compute", key)):
+        with profiler.span(span_name(Phase.INVERSE_COMPUTE, key)):
             try:
                 return damped_inverse(factors[key], damping, method)
             except (ValueError, RuntimeError) as error:  # InversionError, LinAlgError, …
@@ -141,7 +148,7 @@ def invert_factors(
         if group.owner == rank:
             for key in group.keys:
                 inverses[key] = invert(key)
-            with profiler.span(span_name("inverse_compute", "pack")):
+            with profiler.span(span_name(Phase.INVERSE_COMPUTE, "pack")):
                 parts = [
                     pack_triu(inverse)
                     if (inverse := inverses[key]) is not None
@@ -156,7 +163,7 @@ def invert_factors(
         if owner == EVERY_RANK and spec.key in factors:
             inverses[spec.key] = invert(spec.key)
     for group, future in pending:
-        with profiler.span(span_name("inverse_comm", "wait")):
+        with profiler.span(span_name(Phase.INVERSE_COMM, "wait")):
             received = future.wait()
         if group.owner == rank:
             continue
@@ -172,7 +179,7 @@ def invert_factors(
         flags = torch.tensor(
             [float(key in failed_here) for key in keys], device=communicator.device
         )
-        with profiler.span(span_name("inverse_comm", "failures")):
+        with profiler.span(span_name(Phase.INVERSE_COMM, "failures")):
             agreed = communicator.all_reduce_max(flags).wait().cpu().tolist()
         failed = {key for key, flag in zip(keys, agreed, strict=True) if flag > 0}
     return _outcome(inverses, failed, previous)
@@ -189,3 +196,70 @@ def _outcome(
         if chosen is not None:
             result[key] = chosen
     return InverseOutcome(inverses=result, failed=frozenset(failed))
+
+
+class InversePhase:
+    """The inverse phase of a preconditioner: placed inversions, then each block's own.
+
+    Args:
+        plan: Where each placed factor is inverted.
+        communicator: The group.
+        method: ``"cholesky"`` or ``"eigen"``.
+        min_group_elements: Broadcast grouping (see :func:`broadcast_groups`).
+        max_failures: Consecutive inverse updates with a failed inversion tolerated.
+        profiler: Where spans are recorded.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        communicator: Communicator,
+        method: InverseMethod,
+        *,
+        min_group_elements: int,
+        max_failures: int,
+        profiler: Profiler,
+    ) -> None:
+        self.plan = plan
+        self._communicator = communicator
+        self._method = method
+        self._min_group_elements = min_group_elements
+        self._max_failures = max_failures
+        self._profiler = profiler
+        self._failures = 0
+
+    def run(self, blocks: Sequence[CurvatureBlock], damping: float) -> None:
+        """Invert every block's factors with damping ``damping``.
+
+        Collective (the same on every rank: factors are replicated after the exchange).
+
+        Raises:
+            RuntimeError: After more than ``max_failures`` consecutive failed updates.
+        """
+        factors: dict[str, Tensor] = {}
+        previous: dict[str, Tensor | None] = {}
+        for block in blocks:
+            factors.update(block.placed_factors())
+            previous.update(block.previous_inverses())
+        outcome = invert_factors(
+            factors,
+            self.plan,
+            self._communicator,
+            damping,
+            self._method,
+            previous=previous,
+            min_group_elements=self._min_group_elements,
+            profiler=self._profiler,
+        )
+        # Blocks take their placed inverses and compute any closed-form ones of their own.
+        with self._profiler.span(span_name(Phase.INVERSE_COMPUTE, "local")):
+            for block in blocks:
+                block.update_inverses(outcome.inverses, damping)
+        # The failure set is agreed by every rank, so this counter is replicated state.
+        self._failures = self._failures + 1 if outcome.failed else 0
+        if self._failures > self._max_failures:
+            raise RuntimeError(
+                f"spdkfac: inverting factors failed on {self._failures} consecutive "
+                f"inverse updates (max_inverse_failures={self._max_failures}); "
+                f"last failures: {sorted(outcome.failed)}"
+            )

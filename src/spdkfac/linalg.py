@@ -107,16 +107,31 @@ def _row_major_symmetric(matrix: Tensor) -> Tensor:
     return matrix.mT if matrix.mT.is_contiguous() else matrix.contiguous()
 
 
+#: Device types whose ``cholesky_inverse`` computes one triangle and copies it onto the
+#: other (LAPACK potri, then a reflection in ATen's CPU kernel): exactly symmetric, checked
+#: by the tests. cuSOLVER's solves against the identity (potrs) and computes both.
+_CHOLESKY_INVERSE_REFLECTS = frozenset({"cpu"})
+
+
+def _upper_mirrored(matrix: Tensor) -> Tensor:
+    """A copy of ``matrix`` whose strict lower triangle is the transpose of its upper one."""
+    lower = torch.ones_like(matrix, dtype=torch.bool).tril_(-1)
+    return torch.where(lower, matrix.mT, matrix)
+
+
 def _cholesky_inverse(matrix: Tensor) -> Tensor | None:
     """(M)⁻¹ by Cholesky, or None when M is not numerically positive definite.
 
-    ``cholesky_inverse`` fills both triangles from one (exactly symmetric result, checked
-    by the tests), so no symmetrizing pass is needed.
+    On the CPU ``cholesky_inverse`` fills both triangles from one, so no symmetrizing pass
+    is needed; elsewhere the two triangles are separate solves, which need not round
+    alike, so the upper one is mirrored (O(d²) next to the O(d³) inverse).
     """
     factor, info = torch.linalg.cholesky_ex(matrix)
     if int(info) != 0:
         return None
     inverse = torch.cholesky_inverse(factor)
+    if inverse.device.type not in _CHOLESKY_INVERSE_REFLECTS:
+        inverse = _upper_mirrored(inverse)
     return _row_major_symmetric(inverse) if is_finite(inverse) else None
 
 

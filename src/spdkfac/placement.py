@@ -12,15 +12,21 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final, Literal
+from typing import Final, Protocol
 
 from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel
+from spdkfac.types import FactorKind
 
 __all__ = [
     "EVERY_RANK",
     "PLACEMENTS",
+    "PLACEMENT_POLICIES",
+    "Balanced",
     "FactorSpec",
+    "PlacementPolicy",
     "Plan",
+    "Replicated",
+    "RoundRobin",
     "plan_balanced",
     "plan_inversions",
     "plan_replicated",
@@ -29,8 +35,6 @@ __all__ = [
 
 #: Owner value of a non-communicated factor: every rank inverts it.
 EVERY_RANK: Final = -1
-PLACEMENTS: tuple[str, ...] = ("replicated", "round-robin", "balanced")
-FactorKind = Literal["A", "G"]
 
 
 @dataclass(frozen=True)
@@ -189,22 +193,70 @@ def plan_balanced(
     )
 
 
-_PLANNERS = {
-    "replicated": plan_replicated,
-    "round-robin": plan_round_robin,
-    "balanced": plan_balanced,
-}
+class PlacementPolicy(Protocol):
+    """Where each factor is inverted: one ``plan`` from replicated inputs.
+
+    Attributes:
+        name: The name ``placement=`` takes.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    def plan(self, factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel) -> Plan:
+        """The placement of ``factors`` over ``world_size`` ranks."""
+        ...
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """D-KFAC: every rank inverts every factor (:func:`plan_replicated`)."""
+
+    name: str = "replicated"
+
+    def plan(self, factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel) -> Plan:
+        return plan_replicated(factors, world_size, cost_model)
+
+
+@dataclass(frozen=True)
+class RoundRobin:
+    """MPD-KFAC: factor i on rank i mod P, every inverse broadcast (:func:`plan_round_robin`)."""
+
+    name: str = "round-robin"
+
+    def plan(self, factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel) -> Plan:
+        return plan_round_robin(factors, world_size, cost_model)
+
+
+@dataclass(frozen=True)
+class Balanced:
+    """SPD-KFAC's load-balancing placement (Shi, Zhang, Li 2021: NCT by Eq. 18, CTs
+    balanced over the ranks; :func:`plan_balanced`)."""
+
+    name: str = "balanced"
+
+    def plan(self, factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel) -> Plan:
+        return plan_balanced(factors, world_size, cost_model)
+
+
+#: Every placement policy by the name ``placement=`` takes.
+PLACEMENT_POLICIES: Mapping[str, PlacementPolicy] = MappingProxyType(
+    {policy.name: policy for policy in (Replicated(), RoundRobin(), Balanced())}
+)
+PLACEMENTS: tuple[str, ...] = tuple(PLACEMENT_POLICIES)
 
 
 def plan_inversions(
     factors: Sequence[FactorSpec],
     world_size: int,
-    placement: str,
+    placement: str | PlacementPolicy,
     cost_model: CostModel = DEFAULT_COST_MODEL,
 ) -> Plan:
-    """Dispatch to the planner named ``placement`` (one of :data:`PLACEMENTS`)."""
-    if placement not in _PLANNERS:
-        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    """Plan with ``placement`` (a policy, or the name of one of :data:`PLACEMENTS`)."""
+    if isinstance(placement, str):
+        if placement not in PLACEMENT_POLICIES:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        placement = PLACEMENT_POLICIES[placement]
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    return _PLANNERS[placement](factors, world_size, cost_model)
+    return placement.plan(factors, world_size, cost_model)

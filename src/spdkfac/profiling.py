@@ -5,6 +5,10 @@ manager, so instrumented code pays a method call and nothing else. When on, a sp
 the host clock on CPU; on CUDA it records CUDA events on the current stream and converts
 them to host time when :meth:`Profiler.events` resolves them (after a synchronize), so
 asynchronous kernels are timed where they run, never by a bare clock around a launch.
+An enabled span also enters ``torch.profiler.record_function`` under its name, so the
+phases show in ``torch.profiler`` (Kineto) traces next to the kernels they launched.
+
+Phases are the members of :class:`Phase`, shared by the real code and the simulator.
 """
 
 from __future__ import annotations
@@ -14,15 +18,20 @@ import json
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from spdkfac.checks import check_choice
+from spdkfac.jsonio import write_json
+
 __all__ = [
     "BREAKDOWN_CATEGORIES",
     "PHASES",
     "Event",
+    "Phase",
     "Profiler",
     "breakdown",
     "chrome_trace",
@@ -33,17 +42,55 @@ __all__ = [
     "write_chrome_trace",
 ]
 
+
+class Phase(str, Enum):
+    """The ``<phase>`` of a span name ``kfac/<phase>/<layer>``.
+
+    A ``str`` enum: a member equals, hashes and formats as its value, so ``"step"`` and
+    ``Phase.STEP`` are interchangeable as arguments and as dictionary keys.
+    """
+
+    #: The forward and backward passes (factor hooks run inside).
+    FORWARD_BACKWARD = "forward_backward"
+    #: Waiting for the data-parallel gradient all-reduce.
+    GRAD_COMM = "grad_comm"
+    #: Factor products in the hooks; the running average of the factors.
+    FACTOR_COMPUTE = "factor_compute"
+    #: Waiting for the factor all-reduce; unpacking the reduced factors.
+    FACTOR_COMM = "factor_comm"
+    #: Damped inverses; packing them for their broadcast.
+    INVERSE_COMPUTE = "inverse_compute"
+    #: Waiting for the inverse broadcasts and the failure-flag all-reduce.
+    INVERSE_COMM = "inverse_comm"
+    #: Preconditioning the gradients; the KL clip.
+    PRECONDITION = "precondition"
+    #: Waiting for the one-element skip-flag all-reduce of a step without factor update
+    #: (counted as ``Other``, where the step's time went before it had a span).
+    FLAG_COMM = "flag_comm"
+    #: The whole preconditioner step.
+    STEP = "step"
+    #: One whole training iteration.
+    ITERATION = "iteration"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, format_spec: str) -> str:
+        return format(str(self.value), format_spec)
+
+
 #: Phase → breakdown category (the SPD-KFAC paper's Fig. 9 bars).
 PHASES: dict[str, str] = {
-    "forward_backward": "FF&BP",
-    "grad_comm": "GradComm",
-    "factor_compute": "FactorComp",
-    "factor_comm": "FactorComm",
-    "inverse_compute": "InverseComp",
-    "inverse_comm": "InverseComm",
-    "precondition": "Precondition",
-    "iteration": "Other",
-    "step": "Other",
+    Phase.FORWARD_BACKWARD: "FF&BP",
+    Phase.GRAD_COMM: "GradComm",
+    Phase.FACTOR_COMPUTE: "FactorComp",
+    Phase.FACTOR_COMM: "FactorComm",
+    Phase.INVERSE_COMPUTE: "InverseComp",
+    Phase.INVERSE_COMM: "InverseComm",
+    Phase.PRECONDITION: "Precondition",
+    Phase.FLAG_COMM: "Other",
+    Phase.ITERATION: "Other",
+    Phase.STEP: "Other",
 }
 BREAKDOWN_CATEGORIES: tuple[str, ...] = (
     "FF&BP",
@@ -59,21 +106,33 @@ BREAKDOWN_CATEGORIES: tuple[str, ...] = (
 # waits on collectives first, then K-FAC work, then the forward/backward that contains
 # the hooks, then the iteration itself.
 _PRIORITY: dict[str, int] = {
-    "factor_comm": 0,
-    "inverse_comm": 0,
-    "grad_comm": 0,
-    "factor_compute": 1,
-    "inverse_compute": 1,
-    "precondition": 1,
-    "forward_backward": 2,
-    "step": 3,
-    "iteration": 4,
+    Phase.FACTOR_COMM: 0,
+    Phase.INVERSE_COMM: 0,
+    Phase.GRAD_COMM: 0,
+    Phase.FLAG_COMM: 0,
+    Phase.FACTOR_COMPUTE: 1,
+    Phase.INVERSE_COMPUTE: 1,
+    Phase.PRECONDITION: 1,
+    Phase.FORWARD_BACKWARD: 2,
+    Phase.STEP: 3,
+    Phase.ITERATION: 4,
 }
+_BY_VALUE: dict[str, Phase] = {phase.value: phase for phase in Phase}
 
 
-def span_name(phase: str, layer: str = "all") -> str:
-    """``kfac/<phase>/<layer>``, the one naming scheme of spans, traces and the simulator."""
-    return f"kfac/{phase}/{layer}"
+def span_name(phase: Phase | str, layer: str = "all") -> str:
+    """``kfac/<phase>/<layer>``, the one naming scheme of spans, traces and the simulator.
+
+    Args:
+        phase: A :class:`Phase` or its value (``"precondition"``).
+        layer: What the span covers: a layer, a factor key (``fc/A``) or a piece
+            (``wait``); ``all`` for a whole phase.
+
+    Raises:
+        ValueError: For a phase that is not a :class:`Phase`.
+    """
+    check_choice("phase", phase, _BY_VALUE)
+    return f"kfac/{_BY_VALUE[phase].value}/{layer}"
 
 
 def phase_of(name: str) -> str:
@@ -135,22 +194,32 @@ class Profiler:
         self._noop = contextlib.nullcontext()
 
     def span(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """Time the ``with`` block as an event called ``name`` (``kfac/<phase>/<layer>``)."""
+        """Time the ``with`` block as an event called ``name`` (``kfac/<phase>/<layer>``).
+
+        When enabled, the block is also a ``torch.profiler.record_function`` range of that
+        name (visible to ``torch.profiler`` and Kineto traces).
+        """
         if not self.enabled:
             return self._noop
         return self._cuda_span(name) if self._cuda else self._host_span(name)
 
     @contextlib.contextmanager
     def _host_span(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            end = time.perf_counter()
-            self._events.append(Event(name, self.rank, start + self._wall_offset, end - start))
+        with torch.profiler.record_function(name):
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                end = time.perf_counter()
+                self._events.append(Event(name, self.rank, start + self._wall_offset, end - start))
 
     @contextlib.contextmanager
     def _cuda_span(self, name: str) -> Iterator[None]:
+        with torch.profiler.record_function(name), self._cuda_events(name):
+            yield
+
+    @contextlib.contextmanager
+    def _cuda_events(self, name: str) -> Iterator[None]:
         if self._cuda_origin is None:
             torch.cuda.synchronize()
             origin = torch.cuda.Event(enable_timing=True)
@@ -266,11 +335,12 @@ def chrome_trace(
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(path: str | Path, events: Iterable[Event]) -> Path:
-    """Write :func:`chrome_trace` as JSON; open it in ui.perfetto.dev or chrome://tracing."""
-    target = Path(path)
-    target.write_text(json.dumps(chrome_trace(events)))
-    return target
+def write_chrome_trace(
+    path: str | Path, events: Iterable[Event], *, labels: Mapping[int, str] | None = None
+) -> Path:
+    """Write :func:`chrome_trace` as JSON, atomically; open it in ui.perfetto.dev or
+    chrome://tracing."""
+    return write_json(path, chrome_trace(events, labels=labels), indent=None, allow_nan=True)
 
 
 def events_to_json(events: Iterable[Event]) -> str:

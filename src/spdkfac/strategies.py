@@ -1,8 +1,169 @@
-"""The one table of named strategies (work in progress: filled by the architecture change)."""
+"""The one table of named strategies: compositions of a fusion and a placement policy.
+
+A strategy is a row: a fusion policy (when and how factors are all-reduced,
+:mod:`spdkfac.comm.fusion`), a placement policy (who inverts each factor,
+:mod:`spdkfac.placement`) and whether an owner's inverses share broadcasts. The
+preconditioner (``strategy=`` plus the ``factor_exchange=`` / ``placement=`` overrides),
+the simulator and ``spdkfac bench`` all read this table. Adding a strategy is one row
+(plus a policy class when it needs a new behaviour); the next axes (a communication
+scheduler, an owner-computes exchange) become further fields of :class:`Strategy`.
+"""
 
 from __future__ import annotations
 
-__all__ = ["ALGORITHMS"]
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
-#: Names ``strategy=`` accepts.
-ALGORITHMS: tuple[str, ...] = ("d-kfac", "mpd-kfac", "spd-kfac")
+from spdkfac.comm.fusion import FUSION_POLICIES, FusionPolicy
+from spdkfac.placement import PLACEMENT_POLICIES, PlacementPolicy
+
+__all__ = ["ALGORITHMS", "SGD", "STRATEGIES", "Strategy", "compose"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One composition of policies, named.
+
+    Attributes:
+        name: Key of :data:`STRATEGIES` (``"sgd"`` for the first-order baseline).
+        fusion: The factor exchange (None: no K-FAC).
+        placement_policy: The inverse placement (None: no K-FAC).
+        fuse_broadcasts: Pack an owner's consecutive inverses into one broadcast until its
+            bandwidth time outweighs the start-up time (cost model), instead of one
+            broadcast per factor as in the SPD-KFAC paper.
+        description: One line for reports.
+        base: The algorithm (``strategy=`` value) this row modifies; itself for the
+            algorithms, None for SGD.
+        overrides: The ``KFACPreconditioner`` override options that turn ``base`` into
+            this row (``factor_exchange=`` / ``placement=``).
+    """
+
+    name: str
+    fusion: FusionPolicy | None
+    placement_policy: PlacementPolicy | None
+    fuse_broadcasts: bool
+    description: str
+    base: str | None = None
+    overrides: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overrides", MappingProxyType(dict(self.overrides)))
+
+    @property
+    def uses_kfac(self) -> bool:
+        """False for the SGD baseline."""
+        return self.fusion is not None
+
+    @property
+    def factor_exchange(self) -> str | None:
+        """Name of the fusion policy (None for SGD)."""
+        return None if self.fusion is None else self.fusion.name
+
+    @property
+    def placement(self) -> str | None:
+        """Name of the placement policy (None for SGD)."""
+        return None if self.placement_policy is None else self.placement_policy.name
+
+    @property
+    def options(self) -> dict[str, str] | None:
+        """``KFACPreconditioner`` keyword arguments selecting this row (None for SGD)."""
+        return None if self.base is None else {"strategy": self.base, **self.overrides}
+
+    def with_overrides(
+        self, *, factor_exchange: str | None = None, placement: str | None = None
+    ) -> Strategy:
+        """This row with its fusion and/or placement replaced (names of the registries)."""
+        changed = replace(
+            self,
+            fusion=FUSION_POLICIES[factor_exchange] if factor_exchange else self.fusion,
+            placement_policy=PLACEMENT_POLICIES[placement] if placement else self.placement_policy,
+        )
+        return changed
+
+
+def compose(
+    name: str,
+    base: str,
+    description: str,
+    *,
+    factor_exchange: str | None = None,
+    placement: str | None = None,
+) -> Strategy:
+    """A row that modifies the algorithm ``base`` by the given overrides."""
+    overrides = {
+        key: value
+        for key, value in (("factor_exchange", factor_exchange), ("placement", placement))
+        if value is not None
+    }
+    row = _ALGORITHMS[base].with_overrides(factor_exchange=factor_exchange, placement=placement)
+    return replace(row, name=name, description=description, overrides=overrides)
+
+
+def _algorithm(name: str, exchange: str, placement: str, fuse: bool, description: str) -> Strategy:
+    return Strategy(
+        name, FUSION_POLICIES[exchange], PLACEMENT_POLICIES[placement], fuse, description, name
+    )
+
+
+#: The named algorithms ``strategy=`` accepts: D-KFAC (replicated inverses), MPD-KFAC
+#: (round-robin, every inverse broadcast) and SPD-KFAC (Shi, Zhang, Li 2021: pipelined
+#: optimal fusion, load-balanced CT/NCT placement).
+_ALGORITHMS: dict[str, Strategy] = {
+    row.name: row
+    for row in (
+        _algorithm(
+            "d-kfac",
+            "after-backward",
+            "replicated",
+            False,
+            "D-KFAC: after-backward, replicated inverses",
+        ),
+        _algorithm(
+            "mpd-kfac",
+            "after-backward",
+            "round-robin",
+            False,
+            "MPD-KFAC: after-backward, round-robin inverses",
+        ),
+        _algorithm(
+            "spd-kfac",
+            "optimal",
+            "balanced",
+            True,
+            "SPD-KFAC: optimal fusion, balanced CT/NCT inverses",
+        ),
+    )
+}
+ALGORITHMS: tuple[str, ...] = tuple(_ALGORITHMS)
+
+#: The first-order baseline of the simulator and the benchmark.
+SGD = Strategy("sgd", None, None, False, "momentum SGD, no K-FAC")
+
+#: Every named composition: the algorithms and the paper's ablations (Fig. 9, Fig. 10).
+STRATEGIES: Mapping[str, Strategy] = MappingProxyType(
+    {
+        **_ALGORITHMS,
+        "placement-only": compose(
+            "placement-only",
+            "spd-kfac",
+            "ablation: SPD-KFAC's placement with D-KFAC's after-backward exchange",
+            factor_exchange="after-backward",
+        ),
+        "pipelining-only": compose(
+            "pipelining-only",
+            "d-kfac",
+            "ablation: D-KFAC's replicated inverses with SPD-KFAC's optimal fusion",
+            factor_exchange="optimal",
+        ),
+        **{
+            f"fusion:{policy}": compose(
+                f"fusion:{policy}",
+                "spd-kfac",
+                f"SPD-KFAC placement, factor exchange {policy!r} (Fig. 10)",
+                factor_exchange=policy,
+            )
+            for policy in FUSION_POLICIES
+        },
+    }
+)

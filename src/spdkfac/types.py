@@ -8,10 +8,14 @@ from typing import Literal
 from torch import nn
 
 __all__ = [
+    "FactorExchangeName",
     "FactorKind",
     "FloatSchedule",
     "IntSchedule",
+    "NormalizationMode",
+    "PlacementName",
     "SkipEntry",
+    "StrategyName",
 ]
 
 #: Which Kronecker factor of a layer: ``A`` (inputs) or ``G`` (output gradients).
@@ -22,3 +26,13 @@ FloatSchedule = float | Callable[[int], float]
 IntSchedule = int | Callable[[int], int]
 #: A module name (its children included) or an ``nn.Module`` type to leave alone.
 SkipEntry = str | type[nn.Module]
+
+#: Names ``strategy=`` accepts (rows of :data:`spdkfac.strategies.STRATEGIES` that are
+#: algorithms; the ablations are reached with the overrides below).
+StrategyName = Literal["d-kfac", "mpd-kfac", "spd-kfac"]
+#: Fusion policies (:data:`spdkfac.comm.fusion.FUSION_POLICIES`).
+FactorExchangeName = Literal["after-backward", "layerwise", "threshold", "optimal"]
+#: Placement policies (:data:`spdkfac.placement.PLACEMENT_POLICIES`).
+PlacementName = Literal["replicated", "round-robin", "balanced"]
+#: Curvature of normalization layers' scale and shift (Osawa et al. 2019).
+NormalizationMode = Literal["diagonal", "unit-wise"]

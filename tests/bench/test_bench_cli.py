@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from distributed_helper import run_command
 from spdkfac.cli import bench as bench_cli
 from spdkfac.cli import main
 
@@ -24,7 +24,7 @@ def test_two_ranks_end_to_end(tmp_path: Path) -> None:
         "--input-size", "8",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    result = run_command(command, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     report = (out / "report.md").read_text()
     assert report.startswith("# spdkfac bench: mlp, 2 rank(s) x batch 32, link loopback")

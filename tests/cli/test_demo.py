@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from distributed_helper import run_command
 from spdkfac.cli import main
 
 
@@ -40,13 +40,7 @@ def test_demo_under_torchrun_with_two_workers(tiny_fashion_mnist: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "spdkfac", "demo"]
     args = ["--data", str(tiny_fashion_mnist), "--epochs", "1", "--batch-size", "32"]
-    result = subprocess.run(
-        command + args,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    result = run_command(command + args, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 worker(s) x batch 32" in result.stdout
     assert result.stdout.count("| spd-kfac | 1 |") == 1  # printed by rank 0 only
@@ -65,8 +59,6 @@ def test_missing_data_directory_names_the_path(
     "flag", [["--epochs", "0"], ["--damping", "-1"], ["--model", "vgg"], ["--bogus"]]
 )
 def test_bad_flags_exit_with_code_2(flag: list[str]) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "spdkfac", "demo", *flag], capture_output=True, text=True, timeout=60
-    )
+    result = run_command([sys.executable, "-m", "spdkfac", "demo", *flag], timeout=60)
     assert result.returncode == 2
     assert "usage:" in result.stderr

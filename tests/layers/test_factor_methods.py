@@ -78,9 +78,9 @@ def test_measured_choice_is_cached_per_geometry() -> None:
 def test_measure_policy_end_to_end() -> None:
     inputs = torch.randn(2, 3, 9, 8, dtype=torch.float64)
     options = FactorOptions(selection="measure")
-    geometry = ((3, 3), (1, 1), (1, 1), (1, 1))
-    result = conv2d_a_factor_fast(inputs, *geometry, bias=True, options=options)
-    expected = conv2d_a_factor(inputs, *geometry, bias=True)
+    geometry = Conv2dGeometry.of(inputs, (3, 3), (1, 1), (1, 1), (1, 1), bias=True)
+    result = conv2d_a_factor_fast(inputs, geometry, options=options)
+    expected = conv2d_a_factor(inputs, geometry)
     torch.testing.assert_close(result, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -102,7 +102,7 @@ def test_fast_entry_point_refuses_the_reference_method() -> None:
     inputs = torch.randn(1, 1, 4, 4)
     with pytest.raises(ValueError, match="reference"):
         conv2d_a_factor_fast(
-            inputs, (3, 3), (1, 1), (1, 1), (1, 1), bias=False,
+            inputs, Conv2dGeometry.of(inputs, (3, 3), (1, 1), (1, 1), (1, 1), bias=False),
             options=FactorOptions(method="reference"),
         )  # fmt: skip
 
@@ -119,7 +119,10 @@ def test_low_precision_compute(dtype: torch.dtype, stride: int) -> None:
     factor, _ = adapter.a_factor(conv, inputs)
     g_factor, _ = adapter.g_factor(conv, grads)
     assert factor.dtype == g_factor.dtype == torch.float32
-    exact = conv2d_a_factor(inputs.double(), (3, 3), (stride,) * 2, (1, 1), (1, 1), bias=True)
+    wide = inputs.double()
+    exact = conv2d_a_factor(
+        wide, Conv2dGeometry.of(wide, (3, 3), (stride,) * 2, (1, 1), (1, 1), bias=True)
+    )
     g_exact = conv2d_g_factor(grads.double())
     for value, reference in ((factor, exact), (g_factor, g_exact)):
         assert torch.isfinite(value).all()
@@ -162,7 +165,10 @@ def test_an_enclosing_autocast_does_not_lower_the_precision() -> None:
     torch.manual_seed(2)
     conv, inputs = nn.Conv2d(8, 4, 3, padding=1), torch.randn(4, 8, 12, 12)
     grads = torch.randn(4, 4, 12, 12)
-    exact = conv2d_a_factor(inputs.double(), (3, 3), (1, 1), (1, 1), (1, 1), bias=True)
+    wide = inputs.double()
+    exact = conv2d_a_factor(
+        wide, Conv2dGeometry.of(wide, (3, 3), (1, 1), (1, 1), (1, 1), bias=True)
+    )
     for method in ("im2col", "correlation"):
         adapter = Conv2dLayer(options=FactorOptions(method=method))  # type: ignore[arg-type]
         with torch.autocast("cpu", dtype=torch.bfloat16):

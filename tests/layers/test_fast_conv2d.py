@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from spdkfac.layers import Conv2dLayer, FactorOptions
 from spdkfac.layers.conv2d import conv2d_a_factor
 from spdkfac.layers.correlation import conv2d_a_factor_correlation
+from spdkfac.layers.geometry import Conv2dGeometry
 from spdkfac.layers.im2col import conv2d_a_factor_im2col
 from spdkfac.layers.methods import conv2d_a_factor_fast
 
@@ -64,7 +65,7 @@ def _methods(stride: Pair) -> list[str]:
 
 def _run(method: str, inputs: Tensor, geometry: Geometry, bias: bool) -> Tensor:
     function = conv2d_a_factor_im2col if method == "im2col" else conv2d_a_factor_correlation
-    return function(inputs, *geometry, bias=bias)
+    return function(inputs, Conv2dGeometry.of(inputs, *geometry, bias=bias))
 
 
 @pytest.mark.parametrize("name", sorted(NAMED))
@@ -73,11 +74,11 @@ def test_named_geometries_match_reference(name: str, bias: bool) -> None:
     geometry = NAMED[name]
     for seed, batch in ((0, 1), (1, 3)):
         inputs = _input(geometry, seed, batch)
-        reference = conv2d_a_factor(inputs, *geometry, bias=bias)
+        reference = conv2d_a_factor(inputs, Conv2dGeometry.of(inputs, *geometry, bias=bias))
         for method in _methods(geometry[1]):
             result = _run(method, inputs, geometry, bias)
             torch.testing.assert_close(result, reference, rtol=1e-10, atol=1e-12, msg=method)
-        auto = conv2d_a_factor_fast(inputs, *geometry, bias=bias)
+        auto = conv2d_a_factor_fast(inputs, Conv2dGeometry.of(inputs, *geometry, bias=bias))
         torch.testing.assert_close(auto, reference, rtol=1e-10, atol=1e-12)
 
 
@@ -85,7 +86,7 @@ def test_random_geometries_match_reference() -> None:
     for index, geometry in enumerate(_random_geometries(120, seed=7)):
         inputs = _input(geometry, seed=index)
         bias = index % 2 == 0
-        reference = conv2d_a_factor(inputs, *geometry, bias=bias)
+        reference = conv2d_a_factor(inputs, Conv2dGeometry.of(inputs, *geometry, bias=bias))
         for method in _methods(geometry[1]):
             result = _run(method, inputs, geometry, bias)
             torch.testing.assert_close(
@@ -97,7 +98,8 @@ def test_float32_matches_float64_reference() -> None:
     generator = torch.Generator().manual_seed(3)
     inputs = torch.randn(4, 6, 12, 10, generator=generator).relu()
     geometry = NAMED["3x3 same"]
-    reference = conv2d_a_factor(inputs.double(), *geometry, bias=True)
+    exact = inputs.double()
+    reference = conv2d_a_factor(exact, Conv2dGeometry.of(exact, *geometry, bias=True))
     for method in ("im2col", "correlation"):
         result = _run(method, inputs, geometry, True)
         assert result.dtype == torch.float32
@@ -132,13 +134,16 @@ def test_adapter_padding_modes(
 def test_correlation_rejects_strides_other_than_one() -> None:
     inputs = torch.randn(1, 2, 6, 6, dtype=torch.float64)
     with pytest.raises(ValueError, match="stride"):
-        conv2d_a_factor_correlation(inputs, (3, 3), (2, 1), (1, 1), (1, 1), bias=False)
+        conv2d_a_factor_correlation(
+            inputs, Conv2dGeometry.of(inputs, (3, 3), (2, 1), (1, 1), (1, 1), bias=False)
+        )
 
 
 def test_forced_correlation_on_stride_two_falls_back_exactly() -> None:
     geometry = NAMED["3x3 stride 2"]
     inputs = _input(geometry, seed=5, batch=2)
     options = FactorOptions(method="correlation")
-    result = conv2d_a_factor_fast(inputs, *geometry, bias=True, options=options)
-    reference = conv2d_a_factor(inputs, *geometry, bias=True)
+    shape = Conv2dGeometry.of(inputs, *geometry, bias=True)
+    result = conv2d_a_factor_fast(inputs, shape, options=options)
+    reference = conv2d_a_factor(inputs, shape)
     torch.testing.assert_close(result, reference, rtol=1e-10, atol=1e-12)

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from spdkfac.layers.conv2d import conv2d_a_factor, conv2d_g_factor
 from spdkfac.layers.correlation import conv2d_a_factor_correlation
+from spdkfac.layers.geometry import Conv2dGeometry
 from spdkfac.layers.gram import (
     PER_EXAMPLE_MAX_CHANNELS,
     channels_gram,
@@ -48,6 +49,33 @@ def test_gram_into_is_the_exactly_symmetric_product(side: int) -> None:
         rtol=1e-12,
         atol=1e-12,
     )
+
+
+@pytest.mark.parametrize(("side", "panel"), [(5, None), (300, None), (10, 3), (9, 3)])
+def test_gram_into_symmetry_does_not_rely_on_blas(
+    monkeypatch: pytest.MonkeyPatch, side: int, panel: int | None
+) -> None:
+    # BLAS does not promise a bitwise symmetric M Mᵀ (MKL on AMD CPUs rounds entries (i, j)
+    # and (j, i) of the diagonal blocks differently): emulate such a BLAS on any CPU by
+    # moving the strict lower triangle of each product's leading square one ulp up.
+    real_addmm = torch.addmm
+
+    def asymmetric_addmm(
+        input: Tensor, mat1: Tensor, mat2: Tensor, *, beta: float, alpha: float, out: Tensor
+    ) -> Tensor:
+        result = real_addmm(input, mat1, mat2, beta=beta, alpha=alpha, out=out)
+        square = result[:, : result.shape[0]]
+        lower = torch.ones_like(square, dtype=torch.bool).tril_(-1)
+        square[lower] = square[lower].nextafter(torch.tensor(float("inf"), dtype=square.dtype))
+        return result
+
+    monkeypatch.setattr(torch, "addmm", asymmetric_addmm)
+    matrix = _randn(side, 11, seed=side)
+    big = torch.full((side + 2, side + 2), float("nan"), dtype=torch.float64)
+    out = gram_into(matrix, big[1 : side + 1, 1 : side + 1], alpha=0.5, panel=panel)
+    assert torch.equal(out, out.T)
+    torch.testing.assert_close(out, 0.5 * matrix @ matrix.T, rtol=1e-12, atol=1e-12)
+    assert big[0].isnan().all() and big[-1].isnan().all()  # nothing outside the view
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -92,23 +120,31 @@ def test_channels_gram_is_the_1x1_a_factor(bias: bool) -> None:
     for shape in ((3, 4, 5, 6), (2, 9, 2, 2)):
         inputs = _randn(*shape, seed=5)
         count = shape[0] * shape[2] * shape[3]
-        expected = conv2d_a_factor(inputs, (1, 1), (1, 1), (0, 0), (1, 1), bias=bias)
+        geometry = Conv2dGeometry.of(inputs, (1, 1), (1, 1), (0, 0), (1, 1), bias=bias)
+        expected = conv2d_a_factor(inputs, geometry)
         result = channels_gram(inputs, alpha=1.0 / count, bias=bias)
         torch.testing.assert_close(result, expected, rtol=1e-12, atol=1e-12)
 
 
 _CALLS: dict[str, Callable[[Tensor], Tensor]] = {
-    "im2col 3x3": lambda x: conv2d_a_factor_im2col(x, (3, 3), (1, 1), (1, 1), (1, 1), bias=True),
-    "im2col 1x1": lambda x: conv2d_a_factor_im2col(x, (1, 1), (1, 1), (0, 0), (1, 1), bias=True),
+    "im2col 3x3": lambda x: conv2d_a_factor_im2col(
+        x, Conv2dGeometry.of(x, (3, 3), (1, 1), (1, 1), (1, 1), bias=True)
+    ),
+    "im2col 1x1": lambda x: conv2d_a_factor_im2col(
+        x, Conv2dGeometry.of(x, (1, 1), (1, 1), (0, 0), (1, 1), bias=True)
+    ),
     "correlation": lambda x: conv2d_a_factor_correlation(
-        x, (3, 3), (1, 1), (1, 1), (1, 1), bias=True
+        x, Conv2dGeometry.of(x, (3, 3), (1, 1), (1, 1), (1, 1), bias=True)
     ),
     "conv2d G": conv2d_g_factor_gram,
     "conv2d G many channels": lambda x: conv2d_g_factor_gram(x.repeat(1, 40, 1, 1)),
     "linear A": lambda x: linear_a_factor_gram(x.flatten(1), True),
     "linear G": lambda x: linear_g_factor_gram(x.flatten(1)),
     "bf16 im2col": lambda x: conv2d_a_factor_im2col(
-        x, (3, 3), (2, 2), (1, 1), (1, 1), bias=True, compute_dtype=torch.bfloat16
+        x,
+        Conv2dGeometry.of(
+            x, (3, 3), (2, 2), (1, 1), (1, 1), bias=True, compute_dtype=torch.bfloat16
+        ),
     ),
 }
 

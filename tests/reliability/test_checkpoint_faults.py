@@ -1,4 +1,4 @@
-"""Checkpoint faults (RELIABILITY.md F5, F6, F7 1→2, F8): torn, corrupt, disagreeing.
+"""Checkpoint faults (docs/reliability.md F5, F6, F7 1→2, F8): torn, corrupt, disagreeing.
 
 A kill while a checkpoint is written leaves the previous one selected; a bad checkpoint,
 or ranks that found different ones, give the same error on every rank instead of one rank
@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +27,7 @@ from fault_helpers import (
     write_tiny_data,
 )
 
-from distributed_helper import run_distributed
+from distributed_helper import run_command, run_distributed
 from spdkfac.training.checkpoint import (
     atomic_torch_save,
     latest_checkpoint,
@@ -89,12 +88,8 @@ def test_f5_kill_while_writing_a_checkpoint_keeps_the_previous_one(
     victim: str, data: Path, reference: Path, tmp_path: Path
 ) -> None:
     options = train_options(data, tmp_path)
-    killed = subprocess.run(
-        [sys.executable, "-c", _KILLED_WRITER, victim, json.dumps(options)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=ENV,
+    killed = run_command(
+        [sys.executable, "-c", _KILLED_WRITER, victim, json.dumps(options)], timeout=120, env=ENV
     )
     assert killed.returncode == -9, killed.stderr[-3000:]
     root = tmp_path / "checkpoints"

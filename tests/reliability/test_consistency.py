@@ -1,4 +1,4 @@
-"""Distributed consistency (RELIABILITY.md D1, D3, D4, D6, D7): no hang, same result everywhere.
+"""Distributed consistency (docs/reliability.md D1, D3, D4, D6, D7): no hang, one result.
 
 Most runs happen under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which wraps every process group
 in torch's ProcessGroupWrapper: before each collective the ranks compare its op, sequence

@@ -1,4 +1,4 @@
-"""Faults under torchrun (RELIABILITY.md F1, F3, F7 2→1): kills, stalls, fewer ranks.
+"""Faults under torchrun (docs/reliability.md F1, F3, F7 2→1): kills, stalls, fewer ranks.
 
 Every launch has a hard timeout, so a hang fails the test instead of the suite.
 """
@@ -25,7 +25,7 @@ from fault_helpers import (
 )
 from torch import nn
 
-from distributed_helper import run_distributed
+from distributed_helper import run_command, run_distributed
 from spdkfac import KFACPreconditioner
 from spdkfac.training.config import TrainConfig
 from spdkfac.training.faults import Fault, FaultPlan
@@ -49,7 +49,7 @@ def _torchrun(
         "--monitor-interval", "0.1", "-m", "spdkfac", "train", *as_flags(options), *extra,
     ]  # fmt: skip
     env = ENV | {"SPDKFAC_FAULT": fault} if fault else ENV
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    return run_command(command, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Bad input (RELIABILITY.md I1, I3, I4): clear errors before any collective or process group."""
+"""Bad input (docs/reliability.md I1, I3, I4): clear errors before any collective."""
 
 from __future__ import annotations
 
@@ -108,6 +108,7 @@ INVALID: list[tuple[str, object, str | None]] = [
     ("profile", "yes", None),
     ("batchnorm", "full", None),
     ("batchnorm_damping_multiplier", 0.0, None),
+    ("config", {"damping": 0.1}, None),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Numerical safety (RELIABILITY.md N1–N8): failures never hang, NaN never leaks."""
+"""Numerical safety (docs/reliability.md N1–N8): failures never hang, NaN never leaks."""
 
 from __future__ import annotations
 

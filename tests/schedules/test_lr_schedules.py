@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from spdkfac.schedules import (
+from spdkfac.training.lr_schedules import (
     apply_to_optimizer,
     cosine_lr,
     momentum_for_lr,

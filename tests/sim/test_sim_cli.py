@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from distributed_helper import run_command
 from spdkfac.cli.main import main
 from spdkfac.profiling import BREAKDOWN_CATEGORIES
 
@@ -88,10 +88,10 @@ def test_missing_cost_model_file(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 
 def test_module_entry_point() -> None:
-    result = subprocess.run(
+    result = run_command(
         [sys.executable, "-m", "spdkfac", "simulate", "--model", "mlp", "--workers", "2",
          "--preset", "cpu", "--json", "--strategies", "d-kfac"],
-        capture_output=True, text=True, timeout=120, check=False,
+        timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert list(json.loads(result.stdout)) == ["d-kfac"]

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from spdkfac.placement import FactorSpec, Plan
-from spdkfac.profiling import Event
+from spdkfac.profiling import Event, Phase
 from spdkfac.sim import Hardware, Workload, simulate_strategy
 
 # Hardware (conftest ``round_hardware``): 1 FLOP = 1 µs; A 100 µs, G 200 µs, inverse
@@ -169,3 +169,22 @@ def test_custom_plan_replaces_the_placement(two_layers: Workload, round_hardware
         simulate_strategy(
             two_layers, round_hardware, 2, "mpd-kfac", plan=replace(plan, world_size=3)
         )
+
+
+def test_the_skip_flag_wait_has_a_span_counted_as_other(
+    two_layers: Workload, round_hardware: Hardware
+) -> None:
+    # Steps without a factor update agree on skipping with a one-element all-reduce:
+    # 1000 + 4·10 = 1040 µs right after the step opens at 8920, as the real code's
+    # flag_comm/skip span (step 0 updates factors, step 1 does not).
+    result = simulate_strategy(
+        two_layers, round_hardware, 2, "d-kfac", factor_update_steps=2, inv_update_steps=2
+    )
+    flags = [e for e in result.events if e.phase == Phase.FLAG_COMM]
+    assert {e.name for e in flags} == {"kfac/flag_comm/skip"}
+    assert len(flags) == 2  # one per rank, in the one iteration without factors
+    assert all(e.duration == pytest.approx(1040e-6, abs=1e-9) for e in flags)
+    kinds = {(kind.factor_step, kind.inverse_step): kind for kind in result.kinds}
+    assert set(kinds) == {(True, True), (False, False)}
+    # Counted as Other, where the step's time went before the wait had a span.
+    assert kinds[False, False].breakdown["Other"] == pytest.approx(1040e-6, abs=1e-9)

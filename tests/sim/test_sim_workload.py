@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import sys
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 from torch import nn
 
+from spdkfac.models import build_model, optional_torchvision_models
 from spdkfac.sim import (
     FactorHook,
     GradReady,
@@ -102,3 +108,27 @@ def test_measured_compute_round_trip(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match=r"bad\.json"):
         MeasuredCompute.load(tmp_path / "bad.json")
+
+
+class _BrokenTorchvision(importlib.abc.MetaPathFinder):
+    """Imports of torchvision fail as PyPI's wheel does beside the CPU torch wheel."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname.split(".")[0] == "torchvision":
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return None
+
+
+def test_a_torchvision_that_fails_to_import_counts_as_absent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenTorchvision(), *sys.meta_path])
+    assert optional_torchvision_models() is None
+    entry = model_by_name("resnet50")
+    assert entry.source == "spdkfac"
+    with pytest.raises(ValueError, match="unknown model name 'vgg99'"):
+        build_model("vgg99")

@@ -10,25 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from distributed_helper import run_command
+
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _spdkfac(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "spdkfac", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=ENV,
-    )
+    return run_command([sys.executable, "-m", "spdkfac", "train", *args], timeout=timeout, env=ENV)
 
 
 def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     command = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "spdkfac", "train"]
-    return subprocess.run(
-        [*command, *args], capture_output=True, text=True, timeout=timeout, env=ENV
-    )
+    return run_command([*command, *args], timeout=timeout, env=ENV)
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from spdkfac.calibrate import measure_collectives, measure_inverses
-from spdkfac.calibrate_timing import median_seconds
+from spdkfac.calibrate.timing import median_seconds
 from spdkfac.comm import Communicator
 from spdkfac.costmodel import AlphaBetaModel, CostModel, PolynomialInverseModel
-from spdkfac.discovery import discover_layers
+from spdkfac.curvature import discover_layers
 from spdkfac.linalg import is_finite, packed_size, unpack_triu
 
 __all__ = [

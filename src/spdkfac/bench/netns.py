@@ -54,8 +54,8 @@ def emulated_cluster(ranks: int, rate: str = "1gbit") -> Iterator[Cluster]:
     """Create ``ranks`` namespaces on a bridge, each link capped at ``rate`` by ``tbf``.
 
     Each rank runs inside its own namespace, joined by a veth pair to a bridge in one more
-    namespace (see the project's CLUSTER.md). Everything created carries a per-process
-    prefix and is torn down on exit, failure included.
+    namespace (the ``--link RATE`` set-up of ``spdkfac bench``, docs/cli.md). Everything
+    created carries a per-process prefix and is torn down on exit, failure included.
 
     Raises:
         PermissionError: Without root or iproute2.

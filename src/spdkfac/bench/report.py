@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -15,7 +14,7 @@ from spdkfac.bench.results import (
     ratio_to,
 )
 from spdkfac.bench.variants import VARIANTS
-from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, chrome_trace
+from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, Phase, write_chrome_trace
 
 __all__ = [
     "format_report",
@@ -237,7 +236,7 @@ def last_iterations(events: Sequence[Event], count: int) -> list[Event]:
     kept: list[Event] = []
     for rank in sorted({e.rank for e in events}):
         mine = [e for e in events if e.rank == rank]
-        starts = sorted(e.start for e in mine if e.phase == "iteration")
+        starts = sorted(e.start for e in mine if e.phase == Phase.ITERATION)
         cut = starts[-count] if 0 < count < len(starts) else float("-inf")
         kept.extend(e for e in mine if e.start >= cut)
     return sorted(kept, key=lambda e: e.start)
@@ -254,7 +253,7 @@ def write_traces(
         kept = last_iterations(variant_events, iterations)
         labels = {rank: f"{name} rank {rank}" for rank in {e.rank for e in kept}}
         path = target / trace_filename(name)
-        path.write_text(json.dumps(chrome_trace(kept, labels=labels)))
+        write_chrome_trace(path, kept, labels=labels)
         written.append(path)
     return written
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from spdkfac.bench.variants import VARIANTS, after_backward_baseline
+from spdkfac.jsonio import read_json, write_json
 
 __all__ = [
     "BenchResults",
@@ -117,15 +117,18 @@ class BenchResults:
         )
 
     def save(self, path: str | Path) -> Path:
-        """Write :meth:`to_json` to ``path``."""
-        target = Path(path)
-        target.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        return target
+        """Write :meth:`to_json` to ``path`` atomically (NaN allowed: unmeasured fits)."""
+        return write_json(path, self.to_json(), indent=1, allow_nan=True)
 
     @classmethod
     def load(cls, path: str | Path) -> BenchResults:
-        """Read what :meth:`save` wrote."""
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """Read what :meth:`save` wrote.
+
+        Raises:
+            FileNotFoundError: No file at ``path``.
+            ValueError: The file is not JSON or not a results file of this format.
+        """
+        return cls.from_json(read_json(path, "benchmark results file"))
 
 
 @dataclass(frozen=True)

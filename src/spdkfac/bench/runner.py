@@ -12,7 +12,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spdkfac.bench.costs import (
@@ -36,7 +35,8 @@ from spdkfac.comm import (
 from spdkfac.costmodel import CostModel, resolve_cost_model
 from spdkfac.models import build_model
 from spdkfac.preconditioner import KFACPreconditioner
-from spdkfac.profiling import Event, Profiler, breakdown, span_name
+from spdkfac.profiling import Event, Phase, Profiler, breakdown, span_name
+from spdkfac.training.loop import StepHooks, cross_entropy_pass, train_step
 
 __all__ = ["BenchOptions", "Progress", "run_worker"]
 
@@ -124,26 +124,35 @@ class _VariantRun:
         else:
             self.profiler = Profiler(enabled=True, rank=comm.rank)
         self.times: list[float] = []
+        self._forward = self._backward_done = 0.0
+        self._hooks = StepHooks(
+            before_forward=self._forward_begins, before_update=self._backward_ends
+        )
+
+    def _forward_begins(self) -> None:
+        self.launches.clear()
+        self._forward = time.perf_counter()
+
+    def _backward_ends(self) -> None:
+        self._backward_done = time.perf_counter()
 
     def iteration(self, inputs: Tensor, targets: Tensor) -> float:
         """One training iteration, recorded as spans; returns its wall time."""
+        passes = [cross_entropy_pass(self.model, inputs, targets)]
         began = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.launches.clear()
-        forward = time.perf_counter()
-        F.cross_entropy(self.model(inputs), targets).backward()
-        backward_done = time.perf_counter()
-        if self.precond is None or self.precond.step():
-            self.optimizer.step()
+        train_step(self.model, self.optimizer, self.precond, passes, hooks=self._hooks)
         ended = time.perf_counter()
+        forward, backward_done = self._forward, self._backward_done
         last_launch = self.launches.last
         record = self.profiler.record
         if last_launch is not None:
             # What DDP could not overlap: from its last bucket's launch until backward()
             # returned, having waited for every bucket.
-            record(span_name("grad_comm", "wait"), min(last_launch, backward_done), backward_done)
-        record(span_name("forward_backward"), forward, backward_done)
-        record(span_name("iteration"), began, ended)
+            record(
+                span_name(Phase.GRAD_COMM, "wait"), min(last_launch, backward_done), backward_done
+            )
+        record(span_name(Phase.FORWARD_BACKWARD), forward, backward_done)
+        record(span_name(Phase.ITERATION), began, ended)
         self.times.append(ended - began)
         if len(self.times) == self.warmup:
             self.profiler.clear()  # statistics and traces start after the warm-up

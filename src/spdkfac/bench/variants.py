@@ -1,4 +1,4 @@
-"""The benchmark's variants: one table from a name to the preconditioner's keyword arguments."""
+"""The benchmark's variants: the rows of :data:`spdkfac.strategies.STRATEGIES`, plus SGD."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from spdkfac.config import STRATEGIES
+from spdkfac.strategies import SGD, STRATEGIES, Strategy
 
 __all__ = [
     "PRESETS",
@@ -20,76 +20,49 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Variant:
-    """One optimizer configuration of the benchmark.
+    """One optimizer configuration of the benchmark: a row of the strategy table.
 
     Attributes:
-        kfac: ``KFACPreconditioner`` keyword arguments, or None for plain momentum SGD.
-        description: One line for the report.
+        row: The strategy (:data:`~spdkfac.strategies.SGD` for plain momentum SGD).
     """
 
-    kfac: Mapping[str, str] | None
-    description: str
+    row: Strategy
 
-    def __post_init__(self) -> None:
-        if self.kfac is not None:  # a read-only copy: the table must not change under us
-            object.__setattr__(self, "kfac", MappingProxyType(dict(self.kfac)))
+    @property
+    def kfac(self) -> Mapping[str, str] | None:
+        """``KFACPreconditioner`` keyword arguments (read-only), or None for SGD."""
+        options = self.row.options
+        return None if options is None else MappingProxyType(options)
+
+    @property
+    def description(self) -> str:
+        """One line for the report."""
+        return self.row.description
 
     @property
     def uses_kfac(self) -> bool:
         """False for the SGD baseline."""
-        return self.kfac is not None
+        return self.row.uses_kfac
 
     @property
     def strategy(self) -> str | None:
         """The preset strategy (None for SGD)."""
-        return None if self.kfac is None else self.kfac["strategy"]
+        return self.row.base
 
     @property
     def factor_exchange(self) -> str | None:
-        """The fusion policy in effect: the override, else the strategy's (None for SGD)."""
-        if self.kfac is None:
-            return None
-        return self.kfac.get("factor_exchange") or STRATEGIES[self.kfac["strategy"]].factor_exchange
+        """The fusion policy in effect (None for SGD)."""
+        return self.row.factor_exchange
 
     @property
     def placement(self) -> str | None:
         """The inverse placement in effect (None for SGD)."""
-        if self.kfac is None:
-            return None
-        return self.kfac.get("placement") or STRATEGIES[self.kfac["strategy"]].placement
-
-
-def _spd(exchange: str) -> Variant:
-    return Variant(
-        {"strategy": "spd-kfac", "factor_exchange": exchange},
-        f"SPD-KFAC placement, factor exchange {exchange!r} (Fig. 10)",
-    )
+        return self.row.placement
 
 
 #: Every variant the benchmark knows, in the order the report lists them.
 VARIANTS: Mapping[str, Variant] = MappingProxyType(
-    {
-        "sgd": Variant(None, "momentum SGD, no K-FAC"),
-        "d-kfac": Variant({"strategy": "d-kfac"}, "D-KFAC: after-backward, replicated inverses"),
-        "mpd-kfac": Variant(
-            {"strategy": "mpd-kfac"}, "MPD-KFAC: after-backward, round-robin inverses"
-        ),
-        "spd-kfac": Variant(
-            {"strategy": "spd-kfac"}, "SPD-KFAC: optimal fusion, balanced CT/NCT inverses"
-        ),
-        "placement-only": Variant(
-            {"strategy": "spd-kfac", "factor_exchange": "after-backward"},
-            "ablation: SPD-KFAC's placement with D-KFAC's after-backward exchange",
-        ),
-        "pipelining-only": Variant(
-            {"strategy": "d-kfac", "factor_exchange": "optimal"},
-            "ablation: D-KFAC's replicated inverses with SPD-KFAC's optimal fusion",
-        ),
-        "fusion:after-backward": _spd("after-backward"),
-        "fusion:layerwise": _spd("layerwise"),
-        "fusion:threshold": _spd("threshold"),
-        "fusion:optimal": _spd("optimal"),
-    }
+    {row.name: Variant(row) for row in (SGD, *STRATEGIES.values())}
 )
 
 #: Names ``--variants`` expands.

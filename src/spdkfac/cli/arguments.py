@@ -1,34 +1,37 @@
-"""Argument types shared by the verbs: validated numbers for ``argparse``."""
+"""Argument types shared by the verbs: validated numbers for ``argparse``.
+
+Each parses the text, then validates it with :mod:`spdkfac.checks`; argparse reports a
+failure as ``argument --flag: value must be ..., got ...``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import math
+
+from spdkfac.checks import check_int, check_number
 
 __all__ = ["non_negative_int", "positive_float", "positive_int"]
 
 
-def _int(text: str) -> int:
+def _int(text: str, low: int) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    try:
+        return check_int("value", value, low=low)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def positive_int(text: str) -> int:
     """An int >= 1."""
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
+    return _int(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """An int >= 0."""
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _int(text, 0)
 
 
 def positive_float(text: str) -> float:
@@ -37,6 +40,7 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+    try:
+        return check_number("value", value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

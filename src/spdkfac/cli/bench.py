@@ -14,8 +14,8 @@ from spdkfac.bench.netns import available, check_rate
 from spdkfac.bench.runner import BenchOptions, run_worker
 from spdkfac.bench.variants import PRESETS, VARIANTS, parse_variants
 from spdkfac.cli.arguments import non_negative_int, positive_float, positive_int
-from spdkfac.cli.progress import ProgressBar
 from spdkfac.models import MODEL_NAMES
+from spdkfac.training.progress import ProgressBar
 
 __all__ = ["add_parser", "run"]
 

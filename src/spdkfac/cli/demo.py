@@ -12,17 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 from spdkfac.cli.arguments import positive_float, positive_int
-from spdkfac.cli.progress import ProgressBar
 from spdkfac.comm import Communicator, destroy_distributed, init_distributed
-from spdkfac.config import STRATEGIES
 from spdkfac.data import DEFAULT_FASHION_MNIST_DIR, load_fashion_mnist
 from spdkfac.models import MODEL_NAMES, build_model
 from spdkfac.preconditioner import KFACPreconditioner
+from spdkfac.strategies import ALGORITHMS
+from spdkfac.training.loop import cross_entropy_pass, train_step
+from spdkfac.training.progress import ProgressBar
 
 __all__ = ["EpochResult", "add_parser", "run"]
 
@@ -60,13 +60,13 @@ def add_parser(verbs: Any) -> None:
     parser.add_argument("--epochs", type=positive_int, default=2, help="epochs per optimizer")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="batch size per worker")
     parser.add_argument(
-        "--strategy", choices=tuple(STRATEGIES), default="spd-kfac", help="distributed K-FAC"
+        "--strategy", choices=ALGORITHMS, default="spd-kfac", help="distributed K-FAC"
     )
     parser.add_argument("--sgd-lr", type=positive_float, default=0.05, help="SGD learning rate")
     parser.add_argument(
         "--kfac-lr", type=positive_float, default=0.05, help="learning rate with K-FAC"
     )
-    # This CNN has no BatchNorm; with DESIGN.md's factor scaling its G factors are small, so
+    # This CNN has no BatchNorm; with the README's factor conventions its G factors are small, so
     # the damping that keeps momentum SGD + K-FAC stable is far above the library default.
     parser.add_argument("--damping", type=positive_float, default=0.3, help="K-FAC damping")
     parser.add_argument("--kl-clip", type=positive_float, default=1e-3, help="K-FAC KL clip")
@@ -88,7 +88,12 @@ def add_parser(verbs: Any) -> None:
 
 
 def _evaluate(model: nn.Module, dataset: TensorDataset, comm: Communicator) -> float:
-    """Test accuracy over the whole set, each rank scoring its own shard."""
+    """Test accuracy over the whole set, each rank scoring its own shard.
+
+    The same numbers as :func:`spdkfac.training.loop.evaluate_accuracy`, but through a
+    ``DataLoader``, which draws its base seed from the global generator: kept so the demo
+    uses the random number generator exactly as it always has.
+    """
     model.eval()
     shard = Subset(dataset, range(comm.rank, len(dataset), comm.world_size))
     counts = torch.zeros(2, dtype=torch.float64)
@@ -140,12 +145,10 @@ def _train(
         start = time.perf_counter()
         total_loss, batches = 0.0, 0
         for images, labels in loader:
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(images), labels)
-            loss.backward()
-            if precond is None or precond.step():
-                optimizer.step()
-            total_loss += float(loss.detach())
+            outcome = train_step(
+                model, optimizer, precond, [cross_entropy_pass(model, images, labels)]
+            )
+            total_loss += outcome.mean_loss
             batches += 1
             bar.update(batches, f"loss {total_loss / batches:.4f}")
         seconds = time.perf_counter() - start

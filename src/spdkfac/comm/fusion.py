@@ -4,24 +4,34 @@ A plan is an ordered tuple of buckets; each bucket is a run of consecutive facto
 hook order (A factors in forward order, then G factors in backward order). Every rank
 launches buckets strictly in plan order, so the collectives are identical on every rank
 even when hooks fire in a different order. Planners are pure functions of replicated
-inputs (slot order, sizes, measured ready times shared from rank 0, α-β model).
+inputs (slot order, sizes, measured ready times shared from rank 0, α-β model); each
+policy object (:data:`FUSION_POLICIES`) wraps one planner behind ``plan(FusionInputs)``.
 
-The ``optimal`` planner is SPD-KFAC's dynamic tensor fusion (Eq. 15 as the authors
-implemented it, ALGORITHMS.md §2): walking the slots in readiness order, slot l is merged
+The ``optimal`` planner is SPD-KFAC's dynamic tensor fusion (Shi, Zhang, Li 2021, Eq. 15,
+as the authors implemented it): walking the slots in readiness order, slot l is merged
 into the bucket of slot l+1 when l+1 becomes ready before l's all-reduce would finish
 *and* waiting for it costs less than the start-up time a merge saves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Protocol
 
 from spdkfac.costmodel import AlphaBetaModel
 
 __all__ = [
     "FACTOR_EXCHANGES",
+    "FUSION_POLICIES",
+    "AfterBackward",
+    "FusionInputs",
     "FusionPlan",
+    "FusionPolicy",
+    "Layerwise",
+    "OptimalFusion",
+    "ThresholdFusion",
     "communication_starts",
     "merge_groups",
     "plan_after_backward",
@@ -29,8 +39,6 @@ __all__ = [
     "plan_optimal",
     "plan_threshold",
 ]
-
-FACTOR_EXCHANGES: tuple[str, ...] = ("after-backward", "layerwise", "threshold", "optimal")
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,7 @@ def _check_order(a_order: Sequence[str], g_order: Sequence[str]) -> None:
 def plan_after_backward(
     a_order: Sequence[str],
     g_order: Sequence[str],
-    sizes: dict[str, int],
+    sizes: Mapping[str, int],
     bucket_cap_elements: int,
 ) -> FusionPlan:
     """D-KFAC's exchange: everything at ``step()``, in buckets of at most the cap."""
@@ -83,7 +91,7 @@ def plan_layerwise(a_order: Sequence[str], g_order: Sequence[str]) -> FusionPlan
     return FusionPlan("layerwise", tuple((key,) for key in [*a_order, *g_order]), eager=True)
 
 
-def _fill(order: Sequence[str], sizes: dict[str, int], cap: int) -> list[tuple[str, ...]]:
+def _fill(order: Sequence[str], sizes: Mapping[str, int], cap: int) -> list[tuple[str, ...]]:
     buckets: list[list[str]] = []
     total = 0
     for key in order:
@@ -98,7 +106,7 @@ def _fill(order: Sequence[str], sizes: dict[str, int], cap: int) -> list[tuple[s
 def plan_threshold(
     a_order: Sequence[str],
     g_order: Sequence[str],
-    sizes: dict[str, int],
+    sizes: Mapping[str, int],
     bucket_cap_elements: int,
 ) -> FusionPlan:
     """Horovod-style fusion: consecutive factors until the bucket cap; A and G apart."""
@@ -124,7 +132,7 @@ def communication_starts(ready: Sequence[float], durations: Sequence[float]) -> 
 
 def merge_groups(
     order: Sequence[str],
-    sizes: dict[str, int],
+    sizes: Mapping[str, int],
     ready: Sequence[float],
     model: AlphaBetaModel,
     bytes_per_element: int = 4,
@@ -179,7 +187,7 @@ def merge_groups(
 def plan_optimal(
     a_order: Sequence[str],
     g_order: Sequence[str],
-    sizes: dict[str, int],
+    sizes: Mapping[str, int],
     a_ready: Sequence[float],
     g_ready: Sequence[float],
     model: AlphaBetaModel,
@@ -195,3 +203,129 @@ def plan_optimal(
         g_order, sizes, g_ready, model, bytes_per_element
     )
     return FusionPlan("optimal", tuple(buckets), eager=True)
+
+
+@dataclass(frozen=True)
+class FusionInputs:
+    """What a fusion policy plans from; every field is replicated on every rank.
+
+    Attributes:
+        a_order: Forward-time slots (A factors) in forward order.
+        g_order: Backward-time slots (G factors) in backward order.
+        sizes: Elements per slot (packed triangles).
+        bucket_cap_elements: Bucket cap of the threshold-style policies.
+        allreduce: All-reduce cost ``α + β·bytes`` (the ``optimal`` policy's oracle).
+        bytes_per_element: Bytes of one communicated element.
+        a_ready: Measured hand-over time of each A slot in ``a_order`` (rank 0's, shared),
+            or None before any measurement; likewise ``g_ready`` for ``g_order``.
+    """
+
+    a_order: tuple[str, ...]
+    g_order: tuple[str, ...]
+    sizes: Mapping[str, int]
+    bucket_cap_elements: int
+    allreduce: AlphaBetaModel
+    bytes_per_element: int = 4
+    a_ready: tuple[float, ...] | None = None
+    g_ready: tuple[float, ...] | None = None
+
+
+class FusionPolicy(Protocol):
+    """When and how factors are all-reduced: one ``plan`` from replicated inputs.
+
+    Attributes:
+        name: The name ``factor_exchange=`` takes.
+        eager: Buckets launch from hooks (so they need a process group of their own to
+            never interleave with DDP's gradient all-reduces).
+        measured: The plan needs measured hand-over times (``inputs.a_ready``); until the
+            first measurements the policy plans without them.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def eager(self) -> bool: ...
+
+    @property
+    def measured(self) -> bool: ...
+
+    def plan(self, inputs: FusionInputs) -> FusionPlan:
+        """The buckets for ``inputs``."""
+        ...
+
+
+@dataclass(frozen=True)
+class AfterBackward:
+    """D-KFAC: every factor all-reduced at ``step()``, in buckets of at most the cap."""
+
+    name: str = "after-backward"
+    eager: bool = False
+    measured: bool = False
+
+    def plan(self, inputs: FusionInputs) -> FusionPlan:
+        return plan_after_backward(
+            inputs.a_order, inputs.g_order, inputs.sizes, inputs.bucket_cap_elements
+        )
+
+
+@dataclass(frozen=True)
+class Layerwise:
+    """One all-reduce per factor as soon as its hook computed it (no fusion)."""
+
+    name: str = "layerwise"
+    eager: bool = True
+    measured: bool = False
+
+    def plan(self, inputs: FusionInputs) -> FusionPlan:
+        return plan_layerwise(inputs.a_order, inputs.g_order)
+
+
+@dataclass(frozen=True)
+class ThresholdFusion:
+    """Horovod-style: consecutive factors fused up to the cap, each bucket launched when full."""
+
+    name: str = "threshold"
+    eager: bool = True
+    measured: bool = False
+
+    def plan(self, inputs: FusionInputs) -> FusionPlan:
+        return plan_threshold(
+            inputs.a_order, inputs.g_order, inputs.sizes, inputs.bucket_cap_elements
+        )
+
+
+@dataclass(frozen=True)
+class OptimalFusion:
+    """SPD-KFAC's dynamic tensor fusion (Shi, Zhang, Li 2021, the merge rule of Eq. 15).
+
+    Without measured hand-over times it plans as :class:`ThresholdFusion` (what the
+    preconditioner runs while it measures during the warm-up factor steps).
+    """
+
+    name: str = "optimal"
+    eager: bool = True
+    measured: bool = True
+
+    def plan(self, inputs: FusionInputs) -> FusionPlan:
+        if inputs.a_ready is None or inputs.g_ready is None:
+            return ThresholdFusion().plan(inputs)
+        return plan_optimal(
+            inputs.a_order,
+            inputs.g_order,
+            inputs.sizes,
+            inputs.a_ready,
+            inputs.g_ready,
+            inputs.allreduce,
+            inputs.bytes_per_element,
+        )
+
+
+#: Every fusion policy by the name ``factor_exchange=`` takes.
+FUSION_POLICIES: Mapping[str, FusionPolicy] = MappingProxyType(
+    {
+        policy.name: policy
+        for policy in (AfterBackward(), Layerwise(), ThresholdFusion(), OptimalFusion())
+    }
+)
+FACTOR_EXCHANGES: tuple[str, ...] = tuple(FUSION_POLICIES)

@@ -1,11 +1,13 @@
-"""The pipelined factor exchange: factors go out as hooks produce them, fused by a policy.
+"""The factor exchange of a preconditioner: pipelined over a group, immediate in a group of one.
 
 :class:`FactorPipeline` owns the :class:`~spdkfac.comm.exchange.FactorExchange` of a
 preconditioner and its fusion policy. Hooks hand it each factor when it is final for the
-step; it records when (hand-over times are what the ``optimal`` policy plans from) and the
-exchange launches complete buckets in plan order. For ``optimal`` it measures during
-``warmup_steps`` factor steps with a threshold plan, then every rank builds the same Eq.
-15 plan from rank 0's measurements (one broadcast); :meth:`request_replan` repeats that.
+step; it records when (hand-over times are what a measured policy such as ``optimal``
+plans from) and the exchange launches complete buckets in plan order. A measured policy
+runs its unmeasured plan during ``warmup_steps`` factor steps, then every rank builds the
+same plan from rank 0's measurements (one broadcast); :meth:`request_replan` repeats that.
+:class:`LocalFactorExchange` has the same interface for a group of one, where nothing
+travels: the collector has one code path whatever the world size.
 """
 
 from __future__ import annotations
@@ -13,24 +15,19 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
+from torch import Tensor
 
 from spdkfac.comm.base import Communicator
 from spdkfac.comm.exchange import DEFAULT_BUCKET_CAP_BYTES, ExchangeResult, FactorExchange
-from spdkfac.comm.fusion import (
-    FACTOR_EXCHANGES,
-    FusionPlan,
-    plan_after_backward,
-    plan_layerwise,
-    plan_optimal,
-    plan_threshold,
-)
+from spdkfac.comm.fusion import FusionInputs, FusionPlan, FusionPolicy
 from spdkfac.costmodel import AlphaBetaModel
 from spdkfac.linalg import packed_size
-from spdkfac.profiling import Profiler, span_name
+from spdkfac.profiling import Phase, Profiler, span_name
 
-__all__ = ["FactorPipeline"]
+__all__ = ["FactorPipeline", "LocalFactorExchange"]
 
 _KEPT_STEPS = 10
 
@@ -40,8 +37,10 @@ class FactorPipeline:
 
     Args:
         communicator: The group factors are averaged over.
-        layers: Registered layer names with their (A, G) dims, in registration order.
-        policy: One of :data:`~spdkfac.comm.fusion.FACTOR_EXCHANGES`.
+        forward_slots: ``(key, dim)`` of the slots produced in the forward pass (A
+            factors), in forward (registration) order.
+        backward_slots: Likewise for the backward pass (G factors), in backward order.
+        policy: The fusion policy (:data:`~spdkfac.comm.fusion.FUSION_POLICIES`).
         allreduce: All-reduce cost model the ``optimal`` policy plans with.
         bucket_cap_bytes: Bucket cap of ``threshold`` and ``after-backward``.
         warmup_steps: Factor steps measured before the ``optimal`` plan is made.
@@ -53,8 +52,9 @@ class FactorPipeline:
     def __init__(
         self,
         communicator: Communicator,
-        layers: Sequence[tuple[str, int, int]],
-        policy: str,
+        forward_slots: Sequence[tuple[str, int]],
+        backward_slots: Sequence[tuple[str, int]],
+        policy: FusionPolicy,
         *,
         allreduce: AlphaBetaModel,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
@@ -63,23 +63,26 @@ class FactorPipeline:
         comm_dtype: torch.dtype | None = None,
         profiler: Profiler | None = None,
     ) -> None:
-        if policy not in FACTOR_EXCHANGES:
-            raise ValueError(f"factor_exchange must be one of {FACTOR_EXCHANGES}, got {policy!r}")
         self._communicator = communicator
         self._policy = policy
-        self._allreduce = allreduce
         self._warmup_steps = warmup_steps
         self._profiler = profiler or Profiler()
         self._element_bytes = torch.empty((), dtype=comm_dtype or dtype).element_size()
-        self._cap = max(1, bucket_cap_bytes // self._element_bytes)
-        self._a_keys = [f"{name}/A" for name, _, _ in layers]
-        self._g_keys = [f"{name}/G" for name, _, _ in reversed(layers)]
-        dims = {f"{name}/A": a for name, a, _ in layers} | {f"{name}/G": g for name, _, g in layers}
-        self._sizes = {key: packed_size(dim) for key, dim in dims.items()}
+        self._a_keys = [key for key, _ in forward_slots]
+        self._g_keys = [key for key, _ in backward_slots]
+        dims = dict(forward_slots) | dict(backward_slots)
+        self._inputs = FusionInputs(
+            a_order=tuple(self._a_keys),
+            g_order=tuple(self._g_keys),
+            sizes={key: packed_size(dim) for key, dim in dims.items()},
+            bucket_cap_elements=max(1, bucket_cap_bytes // self._element_bytes),
+            allreduce=allreduce,
+            bytes_per_element=self._element_bytes,
+        )
         self._exchange = FactorExchange(
             communicator,
             [(key, dims[key]) for key in self._a_keys + self._g_keys],
-            self._initial_plan(),
+            policy.plan(self._inputs),
             dtype=dtype,
             comm_dtype=comm_dtype,
         )
@@ -88,18 +91,13 @@ class FactorPipeline:
         self._current: dict[str, float] = {}
         self._history: list[dict[str, float]] = []
 
+    #: Factors may be handed over from hooks, as soon as they are final.
+    pipelined = True
+
     @property
     def plan(self) -> FusionPlan:
         """The fusion plan in use."""
         return self._exchange.plan
-
-    def _initial_plan(self) -> FusionPlan:
-        if self._policy == "after-backward":
-            return plan_after_backward(self._a_keys, self._g_keys, self._sizes, self._cap)
-        if self._policy == "layerwise":
-            return plan_layerwise(self._a_keys, self._g_keys)
-        # threshold, and optimal until it has measurements
-        return plan_threshold(self._a_keys, self._g_keys, self._sizes, self._cap)
 
     def hand_over(self, key: str, factor: torch.Tensor, weight: float) -> bool:
         """Give the exchange this rank's final factor for ``key`` (from a hook).
@@ -122,24 +120,24 @@ class FactorPipeline:
         Collective: every rank calls it once per factor step.
         """
         pending = self._exchange.finish(local_ok=local_ok)
-        with self._profiler.span(span_name("factor_comm", "wait")):
+        with self._profiler.span(span_name(Phase.FACTOR_COMM, "wait")):
             try:
                 pending.wait_transfers()
             except RuntimeError as error:  # a peer died or stalled past the group's timeout
                 raise RuntimeError(
-                    f"spdkfac: the K-FAC factor all-reduce ({self._policy} buckets) failed on "
+                    f"spdkfac: the K-FAC factor all-reduce ({self._policy.name} buckets) failed on "
                     f"rank {self._communicator.rank} of {self._communicator.world_size}: "
                     f"{error}"
                 ) from error
             # Unpacking is host work inside the wait (the breakdown counts it as
             # FactorComm either way); its own span lets a profile tell it from waiting.
-            with self._profiler.span(span_name("factor_comm", "unpack")):
+            with self._profiler.span(span_name(Phase.FACTOR_COMM, "unpack")):
                 result = pending.unpack()
         self._factor_steps += 1
         if self._current:
             self._history = [*self._history[-(_KEPT_STEPS - 1) :], self._current]
         self._current = {}
-        due = self._policy == "optimal" and self._factor_steps == self._warmup_steps
+        due = self._policy.measured and self._factor_steps == self._warmup_steps
         if due or self._replan_requested:
             self._replan_requested = False
             self._replan()
@@ -154,7 +152,7 @@ class FactorPipeline:
 
     def _replan(self) -> None:
         """Every rank builds the same plan from rank 0's measured hand-over times."""
-        if self._policy != "optimal":
+        if not self._policy.measured:
             return
         a_order, a_ready = self._measured(self._a_keys)
         g_order, g_ready = self._measured(self._g_keys)
@@ -168,16 +166,14 @@ class FactorPipeline:
         count_a, count = len(self._a_keys), len(keys)
         order = [keys[round(i)] for i in values[:count]]
         ready = values[count:]
-        plan = plan_optimal(
-            order[:count_a],
-            order[count_a:],
-            self._sizes,
-            ready[:count_a],
-            ready[count_a:],
-            self._allreduce,
-            self._element_bytes,
+        measured = replace(
+            self._inputs,
+            a_order=tuple(order[:count_a]),
+            g_order=tuple(order[count_a:]),
+            a_ready=tuple(ready[:count_a]),
+            g_ready=tuple(ready[count_a:]),
         )
-        self._exchange.replan(plan)
+        self._exchange.replan(self._policy.plan(measured))
 
     def _measured(self, keys: Sequence[str]) -> tuple[list[str], list[float]]:
         """Keys by median hand-over offset (from each step's first), unseen ones last."""
@@ -195,3 +191,41 @@ class FactorPipeline:
         latest = max(medians.values(), default=0.0)
         unseen = [key for key in keys if key not in medians]
         return seen + unseen, [medians[k] for k in seen] + [latest] * len(unseen)
+
+
+class LocalFactorExchange:
+    """The exchange of a group of one: each handed-over mean is already the global factor.
+
+    Same interface as :class:`FactorPipeline`; no packing, no copy, no collective. Nothing
+    is gained by handing factors over early, so callers hand them over at the step, when
+    every pass of the step has been averaged in.
+    """
+
+    pipelined = False
+
+    def __init__(self) -> None:
+        self._factors: dict[str, Tensor | None] = {}
+
+    @property
+    def plan(self) -> FusionPlan | None:
+        """None: nothing is exchanged."""
+        return None
+
+    def hand_over(self, key: str, factor: Tensor, weight: float) -> bool:
+        """Keep ``factor`` as the step's global factor of ``key``; False when repeated."""
+        if key in self._factors:
+            return False
+        self._factors[key] = factor
+        return True
+
+    def is_handed_over(self, key: str) -> bool:
+        """Whether ``key`` was handed over this step."""
+        return key in self._factors
+
+    def finish(self, *, local_ok: bool) -> ExchangeResult:
+        """The handed-over factors (the caller checked they are finite in ``local_ok``)."""
+        factors, self._factors = self._factors, {}
+        return ExchangeResult(factors=factors, flagged_ranks=0 if local_ok else 1, finite=True)
+
+    def request_replan(self) -> None:
+        """Nothing to plan in a group of one."""

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
 
+from spdkfac.checks import check_choice, check_number
 from spdkfac.costmodel.fitting import check_samples, nonnegative_relative_fit
+from spdkfac.types import FactorKind
 
 __all__ = ["FactorKind", "FactorSample", "FactorTimeModel", "FlopRateModel", "factor_flops"]
 
-FactorKind = Literal["A", "G"]
+_KINDS: tuple[FactorKind, ...] = ("A", "G")
 
 
 def factor_flops(rows: int, dim: int) -> float:
@@ -41,12 +41,9 @@ class FactorSample:
     seconds: float
 
     def __post_init__(self) -> None:
-        if self.kind not in ("A", "G"):
-            raise ValueError(f"kind must be 'A' or 'G', got {self.kind!r}")
-        if not (math.isfinite(self.flops) and self.flops >= 0):
-            raise ValueError(f"flops of {self.layer}/{self.kind} must be >= 0, got {self.flops}")
-        if not (math.isfinite(self.seconds) and self.seconds > 0):
-            raise ValueError(f"seconds of {self.layer}/{self.kind} must be > 0, got {self.seconds}")
+        check_choice("kind", self.kind, _KINDS)
+        check_number(f"flops of {self.layer}/{self.kind}", self.flops, low_inclusive=True)
+        check_number(f"seconds of {self.layer}/{self.kind}", self.seconds)
 
 
 @dataclass(frozen=True)
@@ -63,14 +60,8 @@ class FlopRateModel:
     overhead_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.flops_per_second) and self.flops_per_second > 0):
-            raise ValueError(
-                f"flops_per_second must be a finite number > 0, got {self.flops_per_second!r}"
-            )
-        if not (math.isfinite(self.overhead_seconds) and self.overhead_seconds >= 0):
-            raise ValueError(
-                f"overhead_seconds must be a finite number >= 0, got {self.overhead_seconds!r}"
-            )
+        check_number("flops_per_second", self.flops_per_second)
+        check_number("overhead_seconds", self.overhead_seconds, low_inclusive=True)
 
     def predict(self, flops: float) -> float:
         """Predicted seconds of a product of ``flops`` operations."""
@@ -119,18 +110,17 @@ class FactorTimeModel:
     def __post_init__(self) -> None:
         frozen: dict[str, tuple[float, float]] = {}
         for name, pair in self.layers.items():
-            a_seconds, g_seconds = (float(value) for value in pair)
-            for kind, value in (("A", a_seconds), ("G", g_seconds)):
-                if not (math.isfinite(value) and value >= 0):
-                    raise ValueError(f"layers[{name!r}] {kind} seconds must be >= 0, got {value}")
+            a_seconds, g_seconds = (
+                check_number(f"layers[{name!r}] {kind} seconds", value, low_inclusive=True)
+                for kind, value in zip(_KINDS, pair, strict=True)
+            )
             frozen[str(name)] = (a_seconds, g_seconds)
         # Read-only view: the dataclass is frozen, its mapping should be too.
         object.__setattr__(self, "layers", MappingProxyType(frozen))
 
     def rate(self, kind: FactorKind) -> FlopRateModel:
         """The rate line of ``kind`` factors."""
-        if kind not in ("A", "G"):
-            raise ValueError(f"kind must be 'A' or 'G', got {kind!r}")
+        check_choice("kind", kind, _KINDS)
         return self.a_rate if kind == "A" else self.g_rate
 
     def seconds(self, layer: str, kind: FactorKind, flops: float) -> float:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from spdkfac.checks import check_number
 from spdkfac.costmodel.fitting import check_samples, nonnegative_relative_fit
 
 __all__ = [
@@ -17,11 +18,6 @@ __all__ = [
     "ExponentialInverseModel",
     "PolynomialInverseModel",
 ]
-
-
-def _check_non_negative(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -37,8 +33,8 @@ class AlphaBetaModel:
     beta: float
 
     def __post_init__(self) -> None:
-        _check_non_negative("alpha", self.alpha)
-        _check_non_negative("beta", self.beta)
+        check_number("alpha", self.alpha, low_inclusive=True)
+        check_number("beta", self.beta, low_inclusive=True)
 
     def predict(self, nbytes: float) -> float:
         """Predicted seconds to move ``nbytes`` bytes."""
@@ -88,7 +84,7 @@ class PolynomialInverseModel:
 
     def __post_init__(self) -> None:
         for name in ("c0", "c2", "c3"):
-            _check_non_negative(name, getattr(self, name))
+            check_number(name, getattr(self, name), low_inclusive=True)
 
     def predict(self, dim: float) -> float:
         """Predicted seconds to invert a ``dim`` x ``dim`` factor."""
@@ -129,7 +125,7 @@ class ExponentialInverseModel:
     beta: float
 
     def __post_init__(self) -> None:
-        _check_non_negative("alpha", self.alpha)
+        check_number("alpha", self.alpha, low_inclusive=True)
         if not math.isfinite(self.beta):
             raise ValueError(f"beta must be finite, got {self.beta!r}")
 

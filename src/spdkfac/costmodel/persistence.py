@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +26,7 @@ from spdkfac.costmodel.schema import (
     samples_from_json,
     samples_to_json,
 )
+from spdkfac.jsonio import read_json, write_json
 
 __all__ = [
     "FORMAT_NAME",
@@ -221,31 +219,7 @@ class CalibrationFile:
         A reader (another rank, a crashed run) sees the old file or the new one, never a
         partial one. Returns the path written.
         """
-        target = Path(path)
-        text = json.dumps(self.to_json(), indent=2, allow_nan=False) + "\n"
-        directory = target.parent
-        descriptor, temporary = tempfile.mkstemp(
-            prefix=f".{target.name}.", suffix=".tmp", dir=directory
-        )
-        try:
-            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(temporary, 0o644)  # mkstemp makes it 0600; a model is not a secret
-            os.replace(temporary, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temporary)
-            raise
-        # Make the rename itself durable; some file systems cannot fsync a directory.
-        with contextlib.suppress(OSError):
-            directory_descriptor = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(directory_descriptor)
-            finally:
-                os.close(directory_descriptor)
-        return target
+        return write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CalibrationFile:
@@ -257,22 +231,8 @@ class CalibrationFile:
                 version, or has a missing or malformed field (the message names the file
                 and the reason).
         """
-        source = Path(path)
-        try:
-            text = source.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                errno.ENOENT, "cost-model file not found", str(source)
-            ) from None
-        except UnicodeDecodeError as error:
-            raise ValueError(
-                f"{source}: corrupt cost-model file (not UTF-8 text: {error})"
-            ) from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{source}: corrupt cost-model file (invalid JSON: {error})") from None
-        return cls.from_json(data, source=str(source))
+        data = read_json(path, "cost-model file")
+        return cls.from_json(data, source=str(Path(path)))
 
 
 def save_cost_model(

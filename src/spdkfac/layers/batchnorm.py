@@ -4,19 +4,24 @@ A BatchNorm layer ``y = γ ⊙ x̂ + β`` (``x̂`` the input normalized with the
 is not Kronecker factored. Its Fisher is built from the per-example gradients of the scale
 and shift, which are exact shares of the batch gradient (``∇γ = Σₙ uₙ``, ``∇β = Σₙ vₙ``)::
 
-    uₙ_c = Σₛ δₙ_cs · x̂ₙ_cs        vₙ_c = Σₛ δₙ_cs        (δ = B·g, DESIGN.md)
+    uₙ_c = Σₛ δₙ_cs · x̂ₙ_cs        vₙ_c = Σₛ δₙ_cs        (δ = B·g, README "Conventions")
 
 summed over the positions ``s`` of example ``n`` (none for ``[B, C]`` inputs). Osawa et al.
-(2019, §"diagonal approximation") keep only the diagonal of the ``2C × 2C`` Fisher; the
-``unit-wise`` mode keeps each channel's ``2 × 2`` block ``(1/B) Σₙ [uₙ_c, vₙ_c]ᵀ[uₙ_c, vₙ_c]``.
+(2019, CVPR, Sec. 5, the diagonal-Fisher experiment) keep only the diagonal of the
+``2C × 2C`` Fisher; the ``unit-wise`` mode keeps each channel's ``2 × 2`` block
+``(1/B) Σₙ [uₙ_c, vₙ_c]ᵀ[uₙ_c, vₙ_c]``.
 Either way a layer's curvature is stored as a ``[C, 3]`` tensor of the block entries
 ``(F_γγ, F_γβ, F_ββ)`` (``F_γβ = 0`` in the diagonal mode), inverted in closed form.
 """
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 from torch import Tensor, nn
+
+from spdkfac.types import NormalizationMode
 
 __all__ = [
     "BATCHNORM_MODES",
@@ -31,7 +36,7 @@ __all__ = [
 ]
 
 #: Curvature modes for BatchNorm layers (``None`` in the options: plain gradient).
-BATCHNORM_MODES: tuple[str, ...] = ("diagonal", "unit-wise")
+BATCHNORM_MODES: tuple[str, ...] = get_args(NormalizationMode)
 
 _BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 

@@ -2,49 +2,59 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spdkfac.layers.base import KFACLayer
 from spdkfac.layers.factors import covariance
+from spdkfac.layers.geometry import Conv2dGeometry, Pair
 from spdkfac.layers.gram import conv2d_g_factor_gram
 from spdkfac.layers.methods import conv2d_a_factor_fast
 from spdkfac.layers.options import FactorOptions
 
-__all__ = ["Conv2dLayer", "conv2d_a_factor", "conv2d_g_factor", "conv2d_patches"]
+__all__ = [
+    "Conv2dLayer",
+    "conv2d_a_factor",
+    "conv2d_g_factor",
+    "conv2d_geometry",
+    "conv2d_patches",
+]
 
-Pair = tuple[int, int]
 
+def conv2d_patches(inputs: Tensor, geometry: Conv2dGeometry) -> Tensor:
+    """The im2col patch matrix ``[B·S, C·kh·kw]`` of a zero-padded 4-D input.
 
-def conv2d_patches(
-    inputs: Tensor, kernel_size: Pair, stride: Pair, padding: Pair, dilation: Pair
-) -> Tensor:
-    """The im2col patch matrix ``[B·S, C·kh·kw]`` of a zero-padded 4-D input."""
-    columns = F.unfold(inputs, kernel_size, dilation=dilation, padding=padding, stride=stride)
+    Raises:
+        ValueError: If ``inputs`` does not have the geometry's shape.
+    """
+    geometry.check_input(inputs)
+    columns = F.unfold(
+        inputs,
+        geometry.kernel_size,
+        dilation=geometry.dilation,
+        padding=geometry.padding,
+        stride=geometry.stride,
+    )
     return columns.transpose(1, 2).reshape(-1, columns.shape[1])
 
 
-def conv2d_a_factor(
-    inputs: Tensor,
-    kernel_size: Pair,
-    stride: Pair,
-    padding: Pair,
-    dilation: Pair,
-    *,
-    bias: bool,
-) -> Tensor:
+def conv2d_a_factor(inputs: Tensor, geometry: Conv2dGeometry) -> Tensor:
     """A = mean over the B·S patch rows of x̄x̄ᵀ (x̄ = [x, 1] with a bias).
+
+    Computed in the input's dtype, whatever the geometry's compute dtype.
 
     Args:
         inputs: ``[B, C, H, W]`` layer input, already padded for non-zero padding modes.
-        kernel_size, stride, padding, dilation: The convolution's geometry (zero padding).
-        bias: Append a constant-1 column.
+        geometry: Its geometry (:meth:`Conv2dGeometry.of`; ``bias``: a constant-1 column).
 
     Returns:
         ``[C·kh·kw(+1), C·kh·kw(+1)]`` symmetric factor.
+
+    Raises:
+        ValueError: If ``inputs`` does not have the geometry's shape.
     """
-    patches = conv2d_patches(inputs, kernel_size, stride, padding, dilation)
-    return covariance(patches, bias=bias)
+    return covariance(conv2d_patches(inputs, geometry), bias=geometry.bias)
 
 
 def conv2d_g_factor(grad_output: Tensor) -> Tensor:
@@ -59,6 +69,33 @@ def _as_pair(value: int | tuple[int, ...]) -> Pair:
     if isinstance(value, int):
         return (value, value)
     return (int(value[0]), int(value[1]))
+
+
+def conv2d_geometry(
+    module: nn.Conv2d, inputs: Tensor, *, bias: bool, compute_dtype: torch.dtype | None = None
+) -> tuple[Tensor, Conv2dGeometry]:
+    """The input the A factor functions take and its geometry, for ``module``'s input.
+
+    Padding ``unfold`` cannot express (string modes, non-zero padding modes) is applied to
+    ``inputs`` here; the geometry keeps only the symmetric zero padding left to add.
+
+    Args:
+        module: A ``groups=1`` convolution.
+        inputs: Its ``[B, C, H, W]`` input.
+        bias: Append the bias row and column.
+        compute_dtype: Requested compute dtype (None: the input's).
+    """
+    inputs, padding = _explicit_padding(module, inputs)
+    geometry = Conv2dGeometry.of(
+        inputs,
+        _as_pair(module.kernel_size),
+        _as_pair(module.stride),
+        padding,
+        _as_pair(module.dilation),
+        bias=bias,
+        compute_dtype=compute_dtype,
+    )
+    return inputs, geometry
 
 
 class Conv2dLayer(KFACLayer):
@@ -92,18 +129,13 @@ class Conv2dLayer(KFACLayer):
 
     def a_factor(self, module: nn.Module, inputs: Tensor) -> tuple[Tensor, int]:
         assert isinstance(module, nn.Conv2d)
-        inputs, padding = _explicit_padding(module, inputs)
-        geometry = (
-            _as_pair(module.kernel_size),
-            _as_pair(module.stride),
-            padding,
-            _as_pair(module.dilation),
+        inputs, geometry = conv2d_geometry(
+            module, inputs, bias=self.has_bias(module), compute_dtype=self.options.compute_dtype
         )
-        bias = self.has_bias(module)
         if self.options.method == "reference":
-            factor = conv2d_a_factor(inputs, *geometry, bias=bias)
+            factor = conv2d_a_factor(inputs, geometry)
         else:
-            factor = conv2d_a_factor_fast(inputs, *geometry, bias=bias, options=self.options)
+            factor = conv2d_a_factor_fast(inputs, geometry, options=self.options)
         return factor, inputs.shape[0]
 
     def g_factor(self, module: nn.Module, grad_output: Tensor) -> tuple[Tensor, int]:

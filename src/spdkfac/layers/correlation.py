@@ -17,12 +17,10 @@ import torch
 from torch import Tensor
 
 from spdkfac.layers.correlation_plan import StripGroup, Term, correlation_plan
-from spdkfac.layers.im2col import conv2d_output_size
-from spdkfac.layers.kernels import factor_kernel, input_scale, resolve_compute_dtype, workspace
+from spdkfac.layers.geometry import Conv2dGeometry, Pair
+from spdkfac.layers.kernels import factor_kernel, input_scale, workspace
 
 __all__ = ["conv2d_a_factor_correlation", "correlation_supported"]
-
-Pair = tuple[int, int]
 
 
 def correlation_supported(stride: Pair) -> bool:
@@ -41,9 +39,12 @@ class _FlatImage:
     margins (not a margin per image) are multiplied in vain.
     """
 
-    def __init__(
-        self, inputs: Tensor, kernel_size: Pair, dilation: Pair, dtype: torch.dtype, scale: float
-    ) -> None:
+    def __init__(self, inputs: Tensor, geometry: Conv2dGeometry, scale: float) -> None:
+        kernel_size, dilation, dtype = (
+            geometry.kernel_size,
+            geometry.dilation,
+            geometry.compute_dtype,
+        )
         batch, channels, height, width = inputs.shape
         self.size = (height, width)
         self.lead = (kernel_size[1] - 1) * dilation[1]
@@ -137,44 +138,36 @@ def _correlate_strips(image: _FlatImage, group: StripGroup, dilation: Pair, out:
 
 
 @factor_kernel
-def conv2d_a_factor_correlation(
-    inputs: Tensor,
-    kernel_size: Pair,
-    stride: Pair,
-    padding: Pair,
-    dilation: Pair,
-    *,
-    bias: bool,
-    compute_dtype: torch.dtype | None = None,
-) -> Tensor:
+def conv2d_a_factor_correlation(inputs: Tensor, geometry: Conv2dGeometry) -> Tensor:
     """Same as :func:`~spdkfac.layers.conv2d.conv2d_a_factor`, from auto-correlations.
 
     Args:
         inputs: ``[B, C, H, W]`` layer input, already padded for non-zero padding modes.
-        kernel_size, stride, padding, dilation: The convolution's geometry; stride must
-            be 1 (see :func:`correlation_supported`).
-        bias: Append the bias row and column.
-        compute_dtype: dtype of the correlations (e.g. ``torch.bfloat16``; the GEMMs
-            accumulate in fp32); None keeps the input's. See
-            :func:`~spdkfac.layers.kernels.resolve_compute_dtype` for when it is ignored.
+        geometry: Its geometry (:meth:`~spdkfac.layers.geometry.Conv2dGeometry.of`); the
+            stride must be 1 (see :func:`correlation_supported`). Its compute dtype is
+            that of the correlations (e.g. ``torch.bfloat16``; the GEMMs accumulate in
+            fp32).
 
     Returns:
         New ``[C·kh·kw(+1), C·kh·kw(+1)]`` symmetric factor of the input's dtype.
 
     Raises:
-        ValueError: If the stride is not 1.
+        ValueError: If the stride is not 1, or ``inputs`` does not have the geometry's
+            shape.
     """
-    if not correlation_supported(stride):
-        raise ValueError(f"the correlation method needs stride (1, 1), got {tuple(stride)}")
-    batch, channels, height, width = inputs.shape
-    kh, kw = kernel_size
-    out_h, out_w = conv2d_output_size((height, width), kernel_size, stride, padding, dilation)
-    count = batch * out_h * out_w
-    dim = channels * kh * kw
-    dtype = resolve_compute_dtype(compute_dtype, inputs.dtype, rows=count, dim=dim)
-    plan = correlation_plan((height, width), kernel_size, padding, dilation, inputs.device)
+    if not correlation_supported(geometry.stride):
+        raise ValueError(
+            f"the correlation method needs stride (1, 1), got {tuple(geometry.stride)}"
+        )
+    geometry.check_input(inputs)
+    channels, (height, width) = geometry.channels, geometry.size
+    kh, kw = geometry.kernel_size
+    dilation, bias, dtype = geometry.dilation, geometry.bias, geometry.compute_dtype
+    count = geometry.rows
+    dim = geometry.dim
+    plan = correlation_plan(geometry, inputs.device)
     scale = input_scale(inputs, count, dtype)
-    image = _FlatImage(inputs, kernel_size, dilation, dtype, scale)
+    image = _FlatImage(inputs, geometry, scale)
     # Products land in the compute dtype; a low-precision copy is widened once, here.
     shape = (plan.rows, channels, channels)
     raw = workspace("correlation_stacked", shape, dtype, inputs.device)

@@ -11,13 +11,13 @@ shifts it needs.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from spdkfac.layers.im2col import conv2d_output_size
+from spdkfac.layers.geometry import Conv2dGeometry, Pair
 
 __all__ = [
     "CorrelationPlan",
@@ -27,7 +27,6 @@ __all__ = [
     "window_coverage",
 ]
 
-Pair = tuple[int, int]
 # A rectangle of first positions: (row start, row stop, column start, column stop).
 Region = tuple[int, int, int, int]
 
@@ -135,9 +134,29 @@ def _clip(value: int, high: int) -> int:
     return min(max(value, 0), high)
 
 
-def _windows(size: Pair, kernel_size: Pair, padding: Pair, dilation: Pair) -> list[list[Pair]]:
-    """Per dimension, the first positions (clipped to the image) of each kernel offset."""
-    out = conv2d_output_size(size, kernel_size, (1, 1), padding, dilation)
+def _plan_key(geometry: Conv2dGeometry) -> Conv2dGeometry:
+    """``geometry`` with every field the plan does not depend on fixed: its cache key.
+
+    A plan depends only on the size, the kernel, the padding and the dilation: one plan
+    (one cache entry) serves every batch, channel count, bias and dtype.
+    """
+    return replace(
+        geometry,
+        batch=1,
+        channels=1,
+        stride=(1, 1),
+        bias=False,
+        compute_dtype=torch.float32,
+        device_type="cpu",
+    )
+
+
+def _windows(geometry: Conv2dGeometry) -> list[list[Pair]]:
+    """Per dimension, the first positions (clipped to the image) of each kernel offset,
+    at stride 1."""
+    size, kernel_size = geometry.size, geometry.kernel_size
+    padding, dilation = geometry.padding, geometry.dilation
+    out = replace(geometry, stride=(1, 1)).output_size
     return [
         [
             (
@@ -172,18 +191,22 @@ def _pieces(
     return pieces
 
 
-@functools.lru_cache(maxsize=256)
-def correlation_plan(
-    size: Pair, kernel_size: Pair, padding: Pair, dilation: Pair, device: torch.device
-) -> CorrelationPlan:
-    """The plan of the correlation method for a stride-1 geometry (cached).
+def correlation_plan(geometry: Conv2dGeometry, device: torch.device) -> CorrelationPlan:
+    """The plan of the correlation method for ``geometry``, as if at stride 1 (cached).
 
     Strip origins are (row, column) of the image; shifts may reach past its bottom and
     right edges and, for b < 0, left of it: the caller's buffer must read zeros there.
+    Its index tensors are on ``device``.
     """
+    return _cached_plan(_plan_key(geometry), device)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(geometry: Conv2dGeometry, device: torch.device) -> CorrelationPlan:
+    size, kernel_size, dilation = geometry.size, geometry.kernel_size, geometry.dilation
     height, width = size
     kh, kw = kernel_size
-    windows = _windows(size, kernel_size, padding, dilation)
+    windows = _windows(geometry)
     pairs = sorted(
         ((p, q) for p in range(kh * kw) for q in range(p, kh * kw)), key=lambda pq: pq[0] != pq[1]
     )
@@ -273,13 +296,15 @@ def correlation_plan(
     )
 
 
-def window_coverage(size: Pair, kernel_size: Pair, padding: Pair, dilation: Pair) -> float:
-    """The smallest window of first positions as a fraction of the image (1 for 'same').
+def window_coverage(geometry: Conv2dGeometry) -> float:
+    """The smallest window of first positions as a fraction of the image (1 for 'same'),
+    at stride 1.
 
     The method subtracts border strips from whole-image sums, so rounding errors of
     those sums grow by up to the inverse of this; it matters for bf16/fp16 products.
     """
-    windows = _windows(size, kernel_size, padding, dilation)
+    size = geometry.size
+    windows = _windows(geometry)
     rows = min(stop - start for start, stop in windows[0]) / size[0]
     cols = min(stop - start for start, stop in windows[1]) / size[1]
     return rows * cols

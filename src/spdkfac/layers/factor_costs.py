@@ -3,74 +3,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import Tensor
 
 from spdkfac.layers.correlation_plan import correlation_plan
-from spdkfac.layers.im2col import conv2d_output_size
-from spdkfac.layers.kernels import panel_height, resolve_compute_dtype
+from spdkfac.layers.geometry import Conv2dGeometry
+from spdkfac.layers.kernels import panel_height
 
 __all__ = ["ConcreteMethod", "Conv2dGeometry", "estimate_conv2d_a_seconds"]
 
-Pair = tuple[int, int]
 ConcreteMethod = Literal["reference", "im2col", "correlation"]
-
-
-@dataclass(frozen=True)
-class Conv2dGeometry:
-    """Everything the cost of a Conv2d A factor depends on (hashable, a cache key)."""
-
-    batch: int
-    channels: int
-    size: Pair
-    kernel_size: Pair
-    stride: Pair
-    padding: Pair
-    dilation: Pair
-    bias: bool
-    compute_dtype: torch.dtype
-    device_type: str
-
-    @classmethod
-    def of(
-        cls,
-        inputs: Tensor,
-        kernel_size: Pair,
-        stride: Pair,
-        padding: Pair,
-        dilation: Pair,
-        *,
-        bias: bool,
-        compute_dtype: torch.dtype | None = None,
-    ) -> Conv2dGeometry:
-        """The geometry of one call of the Conv2d A factor functions.
-
-        ``compute_dtype`` is the one the methods will use (see
-        :func:`~spdkfac.layers.kernels.resolve_compute_dtype`).
-        """
-        batch, channels, height, width = (int(n) for n in inputs.shape)
-        out_h, out_w = conv2d_output_size((height, width), kernel_size, stride, padding, dilation)
-        dtype = resolve_compute_dtype(
-            compute_dtype,
-            inputs.dtype,
-            rows=batch * out_h * out_w,
-            dim=channels * kernel_size[0] * kernel_size[1],
-        )
-        return cls(
-            batch=batch,
-            channels=channels,
-            size=(height, width),
-            kernel_size=kernel_size,
-            stride=stride,
-            padding=padding,
-            dilation=dilation,
-            bias=bias,
-            compute_dtype=dtype,
-            device_type=inputs.device.type,
-        )
 
 
 # Fitted on one thread of an AVX-512 + AMX-bf16 Xeon (torch 2.13, MKL 2024.2): sustained
@@ -106,9 +49,7 @@ def estimate_conv2d_a_seconds(geometry: Conv2dGeometry, method: ConcreteMethod) 
     """
     g = geometry
     kh, kw = g.kernel_size
-    dim = g.channels * kh * kw
-    out_h, out_w = conv2d_output_size(g.size, g.kernel_size, g.stride, g.padding, g.dilation)
-    rows = g.batch * out_h * out_w
+    dim, rows = g.dim, g.rows
     item = torch.empty((), dtype=g.compute_dtype).element_size()
     full_product = 2.0 * dim * dim * rows
     output = 4.0 * dim * dim
@@ -130,7 +71,7 @@ def estimate_conv2d_a_seconds(geometry: Conv2dGeometry, method: ConcreteMethod) 
         )
     if method != "correlation" or g.stride != (1, 1):
         raise ValueError(f"method {method!r} does not apply to {g}")
-    plan = correlation_plan(g.size, g.kernel_size, g.padding, g.dilation, torch.device("cpu"))
+    plan = correlation_plan(g, torch.device("cpu"))
     channels, batch = g.channels, g.batch
     seconds, calls = 0.0, 20
     if plan.whole is not None:

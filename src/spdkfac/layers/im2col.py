@@ -5,38 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from spdkfac.layers.geometry import Conv2dGeometry
 from spdkfac.layers.gram import channels_gram
-from spdkfac.layers.kernels import (
-    factor_kernel,
-    input_scale,
-    resolve_compute_dtype,
-    second_moment,
-    workspace,
-)
+from spdkfac.layers.kernels import factor_kernel, input_scale, second_moment, workspace
 
-__all__ = ["conv2d_a_factor_im2col", "conv2d_output_size", "padded_workspace"]
-
-Pair = tuple[int, int]
-
-
-def conv2d_output_size(
-    size: Pair, kernel_size: Pair, stride: Pair, padding: Pair, dilation: Pair
-) -> Pair:
-    """Output height and width of a convolution (zero padding on both sides).
-
-    Raises:
-        ValueError: If the (padded) input is smaller than the dilated kernel.
-    """
-    out = tuple(
-        (size[i] + 2 * padding[i] - dilation[i] * (kernel_size[i] - 1) - 1) // stride[i] + 1
-        for i in range(2)
-    )
-    if out[0] < 1 or out[1] < 1:
-        raise ValueError(
-            f"input of size {size} with padding {padding} is smaller than the kernel "
-            f"{kernel_size} with dilation {dilation}"
-        )
-    return (out[0], out[1])
+__all__ = ["conv2d_a_factor_im2col", "padded_workspace"]
 
 
 def padded_workspace(
@@ -76,16 +49,7 @@ def padded_workspace(
 
 
 @factor_kernel
-def conv2d_a_factor_im2col(
-    inputs: Tensor,
-    kernel_size: Pair,
-    stride: Pair,
-    padding: Pair,
-    dilation: Pair,
-    *,
-    bias: bool,
-    compute_dtype: torch.dtype | None = None,
-) -> Tensor:
+def conv2d_a_factor_im2col(inputs: Tensor, geometry: Conv2dGeometry) -> Tensor:
     """Same as :func:`~spdkfac.layers.conv2d.conv2d_a_factor`, without ``F.unfold``.
 
     The patch matrix is built transposed, ``[C·kh·kw, B·S]``, by copying the kh·kw
@@ -95,26 +59,28 @@ def conv2d_a_factor_im2col(
 
     Args:
         inputs: ``[B, C, H, W]`` layer input, already padded for non-zero padding modes.
-        kernel_size, stride, padding, dilation: The convolution's geometry (zero padding).
-        bias: Append the bias row and column.
-        compute_dtype: dtype of the patch matrix and products (e.g. ``torch.bfloat16``;
-            the GEMM accumulates in fp32); None keeps the input's.
+        geometry: Its geometry (:meth:`~spdkfac.layers.geometry.Conv2dGeometry.of`): the
+            convolution, the bias row and column, and the compute dtype of the patch
+            matrix and products (e.g. ``torch.bfloat16``; the GEMM accumulates in fp32).
 
     Returns:
         New ``[C·kh·kw(+1), C·kh·kw(+1)]`` symmetric factor of the input's dtype.
+
+    Raises:
+        ValueError: If ``inputs`` does not have the geometry's shape.
     """
+    geometry.check_input(inputs)
     batch, channels, height, width = inputs.shape
-    kh, kw = kernel_size
-    if kernel_size == (1, 1) and stride == (1, 1) and padding == (0, 0):
+    kh, kw = geometry.kernel_size
+    stride, padding, dilation = geometry.stride, geometry.padding, geometry.dilation
+    dtype, bias = geometry.compute_dtype, geometry.bias
+    if geometry.kernel_size == (1, 1) and stride == (1, 1) and padding == (0, 0):
         # The patches are the pixels: no copy at all for few channels.
         count = batch * height * width
-        return channels_gram(
-            inputs, alpha=1.0 / float(count), bias=bias, compute_dtype=compute_dtype
-        )
-    out_h, out_w = conv2d_output_size((height, width), kernel_size, stride, padding, dilation)
+        return channels_gram(inputs, alpha=1.0 / float(count), bias=bias, compute_dtype=dtype)
+    out_h, out_w = geometry.output_size
     count = batch * out_h * out_w
-    dim = channels * kh * kw
-    dtype = resolve_compute_dtype(compute_dtype, inputs.dtype, rows=count, dim=dim)
+    dim = geometry.dim
     scale = input_scale(inputs, count, dtype)
     if padding == (0, 0) and scale == 1.0:
         # No padding: the strided views can read the input itself.

@@ -184,12 +184,43 @@ def input_scale(inputs: Tensor, count: int, compute_dtype: torch.dtype) -> float
     return float(2.0**exponent)
 
 
+@functools.lru_cache(maxsize=64)
+def _strict_lower_mask(side: int, device: torch.device) -> Tensor:
+    """``[side, side]`` boolean mask of the strictly lower triangle, cached per side."""
+    return torch.ones(side, side, dtype=torch.bool, device=device).tril_(-1)
+
+
+def _symmetric_from_upper(upper: Tensor, out: Tensor) -> None:
+    """``out`` = the upper triangles of ``upper`` (``[..., p, p]``) mirrored onto the lower.
+
+    BLAS does not promise a bitwise symmetric ``M Mᵀ``: entries (i, j) and (j, i) can come
+    from different micro-kernels (edge tiles, AVX2 vs AVX-512 code paths, MKL on AMD CPUs)
+    and round differently, so :func:`gram_into` never lets a product's lower triangle
+    through on the diagonal. One select over p² entries, against the p²·K multiply-adds
+    of the product. ``upper`` must not overlap ``out``; read transposed, it is best
+    contiguous (stepping down a column of a wide ``out`` jumps a whole row).
+    """
+    side = upper.shape[-1]
+    torch.where(_strict_lower_mask(side, upper.device), upper.mT, upper, out=out)
+
+
+def _mirror_upper(blocks: Tensor) -> None:
+    """Copy the upper triangle of each ``[..., p, p]`` block onto its lower triangle."""
+    if blocks.shape[-1] > 1:
+        upper = workspace("gram_into_upper", blocks.shape, blocks.dtype, blocks.device)
+        upper.copy_(blocks)
+        _symmetric_from_upper(upper, blocks)
+
+
 def gram_into(matrix: Tensor, out: Tensor, *, alpha: float, panel: int | None = None) -> Tensor:
     """``out = alpha · matrix @ matrixᵀ``, computing only the upper triangle, then mirroring.
 
     The triangle is computed in row panels of height ``panel`` (``out[i:j, i:] = M[i:j]
     M[i:]ᵀ``), which does (t+1)/2t of a full product's multiply-adds for t panels; each
-    panel's transpose then fills the lower part, so ``out`` is exactly symmetric.
+    panel's transpose then fills the lower part. The diagonal blocks are full products,
+    which BLAS does not promise bitwise symmetric (it depends on the CPU's code path), so
+    the upper triangle of each is copied onto its lower one: ``out`` is exactly symmetric
+    on every machine.
 
     Args:
         matrix: ``[D, K]`` with unit stride in one dimension (a transposed view is fine).
@@ -205,7 +236,13 @@ def gram_into(matrix: Tensor, out: Tensor, *, alpha: float, panel: int | None = 
     side = matrix.shape[0]
     panel = panel_height(side) if panel is None else panel
     if side <= panel:
-        return torch.addmm(out, matrix, matrix.t(), beta=0.0, alpha=alpha, out=out)
+        if side <= 1:
+            return torch.addmm(out, matrix, matrix.t(), beta=0.0, alpha=alpha, out=out)
+        # Into a contiguous buffer, then mirrored into ``out`` in the same pass.
+        product = workspace("gram_into_upper", (side, side), matrix.dtype, matrix.device)
+        torch.addmm(product, matrix, matrix.t(), beta=0.0, alpha=alpha, out=product)
+        _symmetric_from_upper(product, out)
+        return out
     for start in range(0, side, panel):
         stop = min(side, start + panel)
         block = out[start:stop, start:]
@@ -213,6 +250,11 @@ def gram_into(matrix: Tensor, out: Tensor, *, alpha: float, panel: int | None = 
         torch.addmm(block, matrix[start:stop], matrix[start:].t(), beta=0.0, alpha=alpha, out=block)
         if stop < side:
             out[stop:, start:stop].copy_(out[start:stop, stop:].t())
+    # The diagonal blocks, the full ones in one call: [t, p, t, p] -> its diagonal [t, p, p].
+    full = side // panel
+    square = out[: full * panel, : full * panel].unflatten(0, (full, panel))
+    _mirror_upper(square.unflatten(2, (full, panel)).diagonal(dim1=0, dim2=2).movedim(-1, 0))
+    _mirror_upper(out[full * panel :, full * panel :])
     return out
 
 

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from spdkfac.layers.correlation import conv2d_a_factor_correlation, correlation_supported
 from spdkfac.layers.correlation_plan import window_coverage
-from spdkfac.layers.factor_costs import ConcreteMethod, Conv2dGeometry, estimate_conv2d_a_seconds
+from spdkfac.layers.factor_costs import ConcreteMethod, estimate_conv2d_a_seconds
+from spdkfac.layers.geometry import Conv2dGeometry
 from spdkfac.layers.im2col import conv2d_a_factor_im2col
 from spdkfac.layers.kernels import LOW_PRECISION_DTYPES
 from spdkfac.layers.options import FactorOptions, SelectionPolicy
@@ -24,9 +25,6 @@ __all__ = [
     "estimate_conv2d_a_seconds",
     "select_conv2d_a_method",
 ]
-
-Pair = tuple[int, int]
-
 
 #: In bf16/fp16, correlation is a candidate only when every window of first positions
 #: covers at least this fraction of the image (its rounding error grows as 1/coverage).
@@ -43,7 +41,7 @@ def conv2d_a_methods(geometry: Conv2dGeometry) -> tuple[ConcreteMethod, ...]:
     if not correlation_supported(g.stride) or g.kernel_size == (1, 1):
         return ("im2col",)
     if g.compute_dtype in LOW_PRECISION_DTYPES:
-        coverage = window_coverage(g.size, g.kernel_size, g.padding, g.dilation)
+        coverage = window_coverage(g)
         if coverage < LOW_PRECISION_MIN_COVERAGE:
             return ("im2col",)
     return ("im2col", "correlation")
@@ -81,29 +79,23 @@ def select_conv2d_a_method(
     return min(candidates, key=lambda m: estimate_conv2d_a_seconds(geometry, m))
 
 
-_METHODS: dict[ConcreteMethod, Callable[..., Tensor]] = {
+_METHODS: dict[ConcreteMethod, Callable[[Tensor, Conv2dGeometry], Tensor]] = {
     "im2col": conv2d_a_factor_im2col,
     "correlation": conv2d_a_factor_correlation,
 }
 
 
 def conv2d_a_factor_fast(
-    inputs: Tensor,
-    kernel_size: Pair,
-    stride: Pair,
-    padding: Pair,
-    dilation: Pair,
-    *,
-    bias: bool,
-    options: FactorOptions | None = None,
+    inputs: Tensor, geometry: Conv2dGeometry, *, options: FactorOptions | None = None
 ) -> Tensor:
     """The Conv2d A factor of :func:`~spdkfac.layers.conv2d.conv2d_a_factor` by the chosen method.
 
     Args:
         inputs: ``[B, C, H, W]`` layer input, already padded for non-zero padding modes.
-        kernel_size, stride, padding, dilation: The convolution's geometry (zero padding).
-        bias: Append the bias row and column.
-        options: Method, compute dtype and selection policy; None means the defaults.
+        geometry: Its geometry (:meth:`Conv2dGeometry.of`, given ``options.compute_dtype``):
+            the convolution, the bias row and column, and the dtype the products run in.
+        options: Method and selection policy; None means the defaults. The compute dtype
+            is the geometry's.
 
     Returns:
         New ``[C·kh·kw(+1), C·kh·kw(+1)]`` symmetric factor of the input's dtype.
@@ -117,46 +109,18 @@ def conv2d_a_factor_fast(
         raise ValueError(
             "conv2d_a_factor_fast runs the fast methods; the reference is conv2d_a_factor"
         )
-    geometry = Conv2dGeometry.of(
-        inputs,
-        kernel_size,
-        stride,
-        padding,
-        dilation,
-        bias=bias,
-        compute_dtype=options.compute_dtype,
-    )
     method: ConcreteMethod
     if options.method == "auto":
 
         def measure(candidate: ConcreteMethod) -> float:
-            return _time_once(
-                lambda: _METHODS[candidate](
-                    inputs,
-                    kernel_size,
-                    stride,
-                    padding,
-                    dilation,
-                    bias=bias,
-                    compute_dtype=options.compute_dtype,
-                ),
-                inputs.device,
-            )
+            return _time_once(lambda: _METHODS[candidate](inputs, geometry), inputs.device)
 
         method = select_conv2d_a_method(geometry, policy=options.selection, measure=measure)
     elif options.method == "correlation" and "correlation" not in conv2d_a_methods(geometry):
         method = "im2col"
     else:
         method = options.method
-    return _METHODS[method](
-        inputs,
-        kernel_size,
-        stride,
-        padding,
-        dilation,
-        bias=bias,
-        compute_dtype=options.compute_dtype,
-    )
+    return _METHODS[method](inputs, geometry)
 
 
 def _time_once(run: Callable[[], Tensor], device: torch.device) -> float:

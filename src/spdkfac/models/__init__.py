@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 
 from torch import nn
 
@@ -25,6 +26,7 @@ __all__ = [
     "CifarResNet",
     "SmallCNN",
     "build_model",
+    "optional_torchvision_models",
     "resnet20",
     "resnet32",
     "resnet56",
@@ -99,12 +101,22 @@ def build_model(
     return model
 
 
-def _build_torchvision_model(name: str, *, num_classes: int, in_channels: int) -> nn.Module | None:
+def optional_torchvision_models() -> ModuleType | None:
+    """``torchvision.models``, or None when torchvision cannot be imported.
+
+    Any exception counts as "not available", not only ``ImportError``: a torchvision wheel
+    built for another torch (e.g. PyPI's beside the CPU torch wheel) raises
+    ``RuntimeError`` while registering its operators.
+    """
     try:
-        tv_models = importlib.import_module("torchvision.models")
-    except ImportError:
+        return importlib.import_module("torchvision.models")
+    except Exception:  # a broken install is an absent one
         return None
-    if name not in tv_models.list_models():
+
+
+def _build_torchvision_model(name: str, *, num_classes: int, in_channels: int) -> nn.Module | None:
+    tv_models = optional_torchvision_models()
+    if tv_models is None or name not in tv_models.list_models():
         return None
     if in_channels != 3:
         raise ValueError(

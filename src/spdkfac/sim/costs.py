@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from typing import Final
 
 from spdkfac.linalg import packed_size
+from spdkfac.profiling import Phase, span_name
 from spdkfac.sim.hardware import Hardware
 from spdkfac.sim.workload import LayerSpec, Op, Workload
 
-__all__ = ["PRIMITIVES", "WorkloadCosts"]
+__all__ = ["PRIMITIVES", "WorkloadCosts", "piece_name"]
 
 #: Primitive → (float32 bytes touched per element, ops) for the roofline fallback.
 PRIMITIVES: Final[dict[str, tuple[int, int]]] = {
@@ -44,6 +45,11 @@ PRIMITIVES: Final[dict[str, tuple[int, int]]] = {
     "sgd": (20, 3),  # momentum SGD, per parameter tensor
     "matmul": (0, 2),  # Ĝ ∇ Â; elements = FLOPs (roofline: the device's GEMM rate)
 }
+
+
+def piece_name(phase: Phase, layer: str) -> str:
+    """A profiled piece's key in ``Hardware.spans``: its span name without ``kfac/``."""
+    return span_name(phase, layer).removeprefix("kfac/")
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,7 @@ class WorkloadCosts:
     def factor(self, layer: LayerSpec, kind: str) -> float:
         """A hook's work: the product, the hook's Python, the accumulator's scaling and,
         with more than one rank, the hand-over into the exchange."""
-        profiled = self.profiled(f"factor_compute/{layer.name}/{kind}")
+        profiled = self.profiled(piece_name(Phase.FACTOR_COMPUTE, f"{layer.name}/{kind}"))
         if profiled is not None:
             return profiled
         dim = layer.a_dim if kind == "A" else layer.g_dim
@@ -99,7 +105,7 @@ class WorkloadCosts:
     def step_prologue(self, factor_step: bool) -> float:
         """Before the factor wait: gradient checks, and on factor steps the factors'
         finiteness check and ``mean()``."""
-        profiled = self.profiled("step/prologue") if factor_step else None
+        profiled = self.profiled(piece_name(Phase.STEP, "prologue")) if factor_step else None
         if profiled is not None:
             return profiled
         layers = self.workload.layers
@@ -112,7 +118,7 @@ class WorkloadCosts:
 
     def unpack_factors(self) -> float:
         """Rebuilding every reduced factor inside the exchange's ``wait()``."""
-        profiled = self.profiled("factor_comm/unpack")
+        profiled = self.profiled(piece_name(Phase.FACTOR_COMM, "unpack"))
         if profiled is not None:
             return profiled
         return sum(
@@ -124,14 +130,14 @@ class WorkloadCosts:
 
     def running_average(self) -> float:
         """``F ← ξF + (1−ξ)F_new`` for every factor."""
-        profiled = self.profiled("factor_compute/running_average")
+        profiled = self.profiled(piece_name(Phase.FACTOR_COMPUTE, "running_average"))
         if profiled is not None:
             return profiled
         return sum(self.primitive("average", d * d) for d in self._dims())
 
     def inverse(self, dim: int, key: str | None = None) -> float:
         """One damped inverse (of factor ``key``, when a profiled run timed it)."""
-        profiled = None if key is None else self.profiled(f"inverse_compute/{key}")
+        profiled = None if key is None else self.profiled(piece_name(Phase.INVERSE_COMPUTE, key))
         return self.hardware.inverse.predict(dim) if profiled is None else profiled
 
     def pack_inverse(self, dim: int) -> float:
@@ -145,7 +151,7 @@ class WorkloadCosts:
 
     def precondition(self, layer: LayerSpec) -> float:
         """``V = Ĝ ∇ Â`` (two GEMMs) and the per-layer Python of ``step()`` around it."""
-        profiled = self.profiled(f"precondition/{layer.name}")
+        profiled = self.profiled(piece_name(Phase.PRECONDITION, layer.name))
         if profiled is not None:
             return profiled
         seconds = self.hardware.layer_step_overhead_seconds
@@ -161,7 +167,7 @@ class WorkloadCosts:
 
     def kl_clip(self) -> float:
         """``Σ⟨V, ∇⟩`` over layers, then scaling and writing every gradient back."""
-        profiled = self.profiled("precondition/kl_clip")
+        profiled = self.profiled(piece_name(Phase.PRECONDITION, "kl_clip"))
         if profiled is not None:
             return profiled
         return sum(
@@ -172,7 +178,7 @@ class WorkloadCosts:
     def optimizer(self) -> float:
         """Momentum SGD over every parameter tensor, ``zero_grad`` and the per-iteration
         host overhead."""
-        profiled = self.profiled("iteration/tail")
+        profiled = self.profiled(piece_name(Phase.ITERATION, "tail"))
         if profiled is not None:
             return profiled
         return self.hardware.iteration_overhead_seconds + sum(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal
 
+from spdkfac.checks import check_int, check_number
 from spdkfac.costmodel import (
     AlphaBetaModel,
     CalibrationFile,
@@ -20,11 +21,6 @@ from spdkfac.sim.workload import LayerSpec, Op, Workload
 __all__ = ["CommunicationModel", "DeviceModel", "Hardware"]
 
 Scaling = Literal["constant", "ring"]
-
-
-def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,14 +50,15 @@ class DeviceModel:
     op_scale: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        scale = {str(name): float(value) for name, value in self.op_scale.items()}
-        if any(not math.isfinite(value) or value <= 0 for value in scale.values()):
-            raise ValueError("op_scale values must be finite numbers > 0")
+        scale = {
+            str(name): check_number(f"op_scale[{str(name)!r}]", value)
+            for name, value in self.op_scale.items()
+        }
         object.__setattr__(self, "op_scale", MappingProxyType(scale))
-        _positive("gemm_flops_per_second", self.gemm_flops_per_second)
-        _positive("gemm_half_side", self.gemm_half_side, allow_zero=True)
-        _positive("memory_bytes_per_second", self.memory_bytes_per_second)
-        _positive("op_overhead_seconds", self.op_overhead_seconds, allow_zero=True)
+        check_number("gemm_flops_per_second", self.gemm_flops_per_second)
+        check_number("gemm_half_side", self.gemm_half_side, low_inclusive=True)
+        check_number("memory_bytes_per_second", self.memory_bytes_per_second)
+        check_number("op_overhead_seconds", self.op_overhead_seconds, low_inclusive=True)
 
     def gemm_seconds(self, flops: float, side: float = 0.0) -> float:
         """Seconds of ``flops`` GEMM operations whose smallest side is ``side``."""
@@ -220,16 +217,17 @@ class Hardware:
 
     def __post_init__(self) -> None:
         primitives = {
-            str(name): (float(overhead), float(per_element))
+            str(name): tuple(
+                check_number(f"bookkeeping[{str(name)!r}]", value, low_inclusive=True)
+                for value in (overhead, per_element)
+            )
             for name, (overhead, per_element) in self.bookkeeping.items()
         }
-        for name, pair in primitives.items():
-            if any(not math.isfinite(value) or value < 0 for value in pair):
-                raise ValueError(f"bookkeeping[{name!r}] must be two numbers >= 0, got {pair}")
         object.__setattr__(self, "bookkeeping", MappingProxyType(primitives))
-        spans = {str(name): float(seconds) for name, seconds in self.spans.items()}
-        if any(not math.isfinite(seconds) or seconds < 0 for seconds in spans.values()):
-            raise ValueError("spans must map names to seconds >= 0")
+        spans = {
+            str(name): check_number(f"spans[{str(name)!r}]", seconds, low_inclusive=True)
+            for name, seconds in self.spans.items()
+        }
         object.__setattr__(self, "spans", MappingProxyType(spans))
         for name in (
             "hook_overhead_seconds",
@@ -237,32 +235,27 @@ class Hardware:
             "layer_step_overhead_seconds",
             "iteration_overhead_seconds",
         ):
-            _positive(name, getattr(self, name), allow_zero=True)
+            check_number(name, getattr(self, name), low_inclusive=True)
         for name in ("grad_bucket_bytes", "first_grad_bucket_bytes", "factor_bucket_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if not 0.0 <= self.overlap <= 1.0:
-            raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
-        if not 0.0 <= self.rank_spread < 0.5:
-            raise ValueError(f"rank_spread must be in [0, 0.5), got {self.rank_spread!r}")
-        if self.broadcast_overlap is not None and not 0.0 <= self.broadcast_overlap <= 1.0:
-            raise ValueError(f"broadcast_overlap must be in [0, 1], got {self.broadcast_overlap!r}")
-        if self.broadcast_contention is not None and not 0.0 <= self.broadcast_contention < 1.0:
-            raise ValueError(
-                f"broadcast_contention must be in [0, 1), got {self.broadcast_contention!r}"
-            )
-        if not (math.isfinite(self.bookkeeping_scale) and self.bookkeeping_scale > 0):
-            raise ValueError(f"bookkeeping_scale must be > 0, got {self.bookkeeping_scale!r}")
-        if not 0.0 <= self.contention_spread <= 2.0:
-            raise ValueError(f"contention_spread must be in [0, 2], got {self.contention_spread!r}")
-        phases = {str(phase): float(value) for phase, value in self.phase_jitter.items()}
-        for phase, value in (("", self.jitter), *phases.items()):
-            if not 0.0 <= value < 0.5:
-                name = f"phase_jitter[{phase!r}]" if phase else "jitter"
-                raise ValueError(f"{name} must be in [0, 0.5), got {value!r}")
+            check_int(name, getattr(self, name))
+        check_number("bookkeeping_scale", self.bookkeeping_scale)
+        # Shares and relative deviations: (name, value, upper bound, bound included).
+        bounded: list[tuple[str, float | None, float, bool]] = [
+            ("overlap", self.overlap, 1.0, True),
+            ("contention", self.contention, 1.0, False),
+            ("broadcast_overlap", self.broadcast_overlap, 1.0, True),
+            ("broadcast_contention", self.broadcast_contention, 1.0, False),
+            ("rank_spread", self.rank_spread, 0.5, False),
+            ("contention_spread", self.contention_spread, 2.0, True),
+            ("jitter", self.jitter, 0.5, False),
+        ]
+        phases = {str(phase): value for phase, value in self.phase_jitter.items()}
+        bounded += [(f"phase_jitter[{phase!r}]", v, 0.5, False) for phase, v in phases.items()]
+        for name, value, high, inclusive in bounded:
+            if value is not None:
+                check_number(name, value, low_inclusive=True, high=high, high_inclusive=inclusive)
+        phases = {phase: float(value) for phase, value in phases.items()}
         object.__setattr__(self, "phase_jitter", MappingProxyType(phases))
-        if not 0.0 <= self.contention < 1.0:
-            raise ValueError(f"contention must be in [0, 1), got {self.contention!r}")
 
     def jitter_of(self, phase: str) -> float:
         """The relative standard deviation of ``phase``'s compute per iteration."""

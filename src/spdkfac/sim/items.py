@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+
+from spdkfac.types import FactorKind
 
 __all__ = ["FactorHook", "GradReady", "Op", "TraceItem"]
 
@@ -31,7 +32,7 @@ class Op:
 class FactorHook:
     """A K-FAC hook firing: ``"A"`` in the forward pre-hook, ``"G"`` on the output gradient."""
 
-    kind: Literal["A", "G"]
+    kind: FactorKind
     layer: str
 
 

@@ -11,7 +11,6 @@ backward op of one iteration (the timed trace of :func:`~spdkfac.sim.workload
 
 from __future__ import annotations
 
-import json
 import platform
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -22,8 +21,9 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from spdkfac.calibrate_factors import measure_factors
+from spdkfac.calibrate.factors import measure_factors
 from spdkfac.costmodel import FactorTimeModel
+from spdkfac.jsonio import read_json, write_json
 from spdkfac.sim.hardware import Hardware
 from spdkfac.sim.workload import Op, TraceItem, Workload, trace_workload
 
@@ -135,27 +135,12 @@ class MeasuredCompute:
 
     def save(self, path: str | Path) -> Path:
         """Write the JSON document."""
-        target = Path(path)
-        target.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        return target
+        return write_json(path, self.to_json(), indent=1, allow_nan=True)
 
     @classmethod
     def load(cls, path: str | Path) -> MeasuredCompute:
         """Read a file written by :meth:`save`."""
-        return cls.from_json(read_json(path), source=str(path))
-
-
-def read_json(path: str | Path) -> Any:
-    """The JSON document in ``path``.
-
-    Raises:
-        ValueError: Naming the file when it is not JSON.
-    """
-    source = Path(path)
-    try:
-        return json.loads(source.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{source}: not JSON ({error})") from None
+        return cls.from_json(read_json(path, "measured-compute file"), source=str(path))
 
 
 def measure_compute(

@@ -1,9 +1,12 @@
 """The SPD-KFAC paper's cluster: its reported numbers and how the ``paper`` preset is fitted.
 
-The paper (Shi, Zhang, Li 2021; ALGORITHMS.md §4) ran 64 RTX2080Ti GPUs (16 nodes × 4,
-100 Gb/s InfiniBand) and gives the all-reduce model ``α = 9.29e-4 s``, ``β = 1.4335e-9
-s/element``. It gives no GPU compute rates, so :func:`derive_paper_hardware` fits them to
-the paper's own ResNet-50 (batch 32, 64 workers) D-KFAC breakdown:
+The paper (Shi, Zhang, Li 2021, "Accelerating Distributed K-FAC with Smart Parallelism of
+Computing and Communication Tasks", Sec. VI and its Table I) ran 64 RTX2080Ti GPUs (16
+nodes × 4, 100 Gb/s InfiniBand) and models an all-reduce of m elements as ``α + β·m``
+(its Eq. 14, fitted in its Fig. 7); the authors' public code uses ``α = 9.29e-4 s``,
+``β = 1.4335e-9 s/element``. It gives no GPU compute rates, so
+:func:`derive_paper_hardware` fits them to the paper's own ResNet-50 (batch 32, 64
+workers) D-KFAC breakdown (its Fig. 9):
 
 * traced ops: one GEMM rate such that simulated FF&BP = 0.132 s, with an *assumed*
   memory bandwidth of 460 GB/s (75 % of the 2080 Ti's 616 GB/s) and 8 µs per op;
@@ -55,7 +58,9 @@ PAPER_TABLE_III: Final[dict[str, tuple[int, float, float, float]]] = {
     "resnet152": (8, 1.5807, 1.3933, 1.1689),
     "densenet201": (16, 1.4964, 1.5340, 1.3615),
 }
-#: ResNet-50 numbers of ALGORITHMS.md §4 (seconds per iteration).
+#: ResNet-50 numbers of the paper's Sec. VI (seconds per iteration): the Fig. 9 time
+#: breakdown (cumulative bars) and the Fig. 12 inverse phase, as the authors' plotting
+#: script gives them.
 PAPER_RESNET50: Final[dict[str, float]] = {
     "FF&BP": 0.132,
     "GradComm": 0.1968 - 0.132,

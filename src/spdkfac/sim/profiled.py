@@ -42,18 +42,21 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from spdkfac.profiling import Event, phase_of
-from spdkfac.sim.costs import WorkloadCosts
+from spdkfac.jsonio import read_json
+from spdkfac.profiling import Event, Phase, phase_of, span_name
+from spdkfac.sim.costs import WorkloadCosts, piece_name
 from spdkfac.sim.hardware import Hardware
-from spdkfac.sim.measured import read_json
 from spdkfac.sim.workload import Op, TraceItem, Workload
 
 __all__ = ["ProfiledCompute", "events_from_chrome_trace"]
 
-_WAITS = frozenset({"grad_comm", "factor_comm", "inverse_comm"})
-_CONTAINERS = frozenset({"iteration", "step", "forward_backward"})
+_WAITS = frozenset({Phase.GRAD_COMM, Phase.FACTOR_COMM, Phase.INVERSE_COMM, Phase.FLAG_COMM})
+_CONTAINERS = frozenset({Phase.ITERATION, Phase.STEP, Phase.FORWARD_BACKWARD})
 #: Host work that runs inside a wait span.
-_WORK_IN_WAITS = frozenset({"kfac/factor_comm/unpack"})
+_WORK_IN_WAITS = frozenset({span_name(Phase.FACTOR_COMM, "unpack")})
+_ITERATION = span_name(Phase.ITERATION)
+_STEP = span_name(Phase.STEP)
+_FORWARD_BACKWARD = span_name(Phase.FORWARD_BACKWARD)
 
 
 def events_from_chrome_trace(data: Mapping[str, Any] | Sequence[Any]) -> list[Event]:
@@ -159,7 +162,7 @@ class ProfiledCompute:
         forward_backward: list[float] = []
         rank_compute: list[list[dict[str, float]]] = []
         for rank_events in by_rank.values():
-            iterations = [e for e in rank_events if e.name == "kfac/iteration/all"]
+            iterations = [e for e in rank_events if e.name == _ITERATION]
             computes = [
                 cls._iteration(
                     iteration,
@@ -178,7 +181,7 @@ class ProfiledCompute:
         means = [statistics.fmean(values) for values in totals]
         overall = statistics.fmean(means)
         spread = statistics.pstdev(means) / overall if len(means) > 1 and overall > 0 else 0.0
-        phases = sorted({phase for computes in rank_compute for p in computes for phase in p})
+        phases = sorted({str(phase) for computes in rank_compute for p in computes for phase in p})
         return cls(
             spans=spans,
             forward_backward=statistics.fmean(forward_backward),
@@ -208,25 +211,27 @@ class ProfiledCompute:
                 continue
             samples[event.name.split("/", 1)[1]].append(event.duration)
             compute[phase] += event.duration
-        passes = [e for e in inside if e.name == "kfac/forward_backward/all"]
+        passes = [e for e in inside if e.name == _FORWARD_BACKWARD]
         for outer in passes:
             nested = [e for e in inside if _inside(e, outer)]
             forward_backward.append(outer.duration - _union(nested))
-            compute["forward_backward"] += forward_backward[-1]
-        step = next((e for e in inside if e.name == "kfac/step/all"), None)
+            compute[Phase.FORWARD_BACKWARD] += forward_backward[-1]
+        step = next((e for e in inside if e.name == _STEP), None)
         if step is not None:
             children = [e for e in inside if _inside(e, step)]
             first = min((e.start for e in children), default=step.end)
-            samples["step/prologue"].append(first - step.start)
-            samples["iteration/tail"].append(iteration.end - step.end)
-            compute["step"] += first - step.start
-            compute["iteration"] += iteration.end - step.end
+            samples[piece_name(Phase.STEP, "prologue")].append(first - step.start)
+            samples[piece_name(Phase.ITERATION, "tail")].append(iteration.end - step.end)
+            compute[Phase.STEP] += first - step.start
+            compute[Phase.ITERATION] += iteration.end - step.end
         return compute
 
     @classmethod
     def load(cls, path: str | Path) -> ProfiledCompute:
         """Read a Chrome trace (``spdkfac bench``'s ``traces/<variant>.json``)."""
-        return cls.from_events(events_from_chrome_trace(read_json(path)), source=str(path))
+        return cls.from_events(
+            events_from_chrome_trace(read_json(path, "profiled trace")), source=str(path)
+        )
 
     def apply(self, workload: Workload, hardware: Hardware) -> tuple[Workload, Hardware]:
         """``workload`` with its ops scaled to the profiled forward/backward time and
@@ -238,10 +243,11 @@ class ProfiledCompute:
                 cannot be checked: the trace does not record them.
         """
         wanted = {f"{layer.name}/{kind}" for layer in workload.layers for kind in ("A", "G")}
+        prefix = piece_name(Phase.FACTOR_COMPUTE, "")
         profiled = {
-            name.removeprefix("factor_compute/")
+            name.removeprefix(prefix)
             for name in self.spans
-            if name.startswith("factor_compute/") and name.endswith(("/A", "/G"))
+            if name.startswith(prefix) and name.endswith(("/A", "/G"))
         }
         for problem, keys in (
             ("has no factor_compute span of", sorted(wanted - profiled)),
@@ -283,10 +289,10 @@ class ProfiledCompute:
     def _bookkeeping_scale(self, costs: WorkloadCosts) -> float:
         """Profiled over modelled seconds of the bookkeeping pieces the profile has."""
         modelled = {
-            "factor_compute/running_average": costs.running_average(),
-            "precondition/kl_clip": costs.kl_clip(),
-            "step/prologue": costs.step_prologue(True),
-            "factor_comm/unpack": costs.unpack_factors(),
+            piece_name(Phase.FACTOR_COMPUTE, "running_average"): costs.running_average(),
+            piece_name(Phase.PRECONDITION, "kl_clip"): costs.kl_clip(),
+            piece_name(Phase.STEP, "prologue"): costs.step_prologue(True),
+            piece_name(Phase.FACTOR_COMM, "unpack"): costs.unpack_factors(),
         }
         profiled = sum(self.spans[name] for name in modelled if name in self.spans)
         model = sum(seconds for name, seconds in modelled.items() if name in self.spans)

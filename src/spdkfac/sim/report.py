@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, chrome_trace
+from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, Phase, write_chrome_trace
 from spdkfac.sim.simulator import StrategyResult
 
 __all__ = [
@@ -76,7 +75,7 @@ def inverse_phase_seconds(result: StrategyResult) -> float:
     spans = [
         event
         for event in result.events
-        if event.phase in ("inverse_compute", "inverse_comm")
+        if event.phase in (Phase.INVERSE_COMPUTE, Phase.INVERSE_COMM)
         and event.start < (result.kinds[0].seconds if result.kinds else 0.0)
     ]
     if not spans:
@@ -151,6 +150,4 @@ def write_trace(path: str | Path, runs: Sequence[SimulationRun], *, max_ranks: i
                     pid = index * 1000 + event.rank
                     labels[pid] = f"{name} rank {event.rank}"
                     events.append(Event(event.name, pid, event.start, event.duration))
-    target = Path(path)
-    target.write_text(json.dumps(chrome_trace(events, labels=labels)))
-    return target
+    return write_chrome_trace(path, events, labels=labels)

@@ -102,7 +102,7 @@ def _run_kind(
     hardware = setup.costs.hardware
     world = setup.costs.world_size
     draws: list[tuple[list[dict[str, float]], list[float]] | None] = [None]
-    jitter = {phase: hardware.jitter_of(phase) for phase in JITTER_PHASES}
+    jitter: dict[str, float] = {phase: hardware.jitter_of(phase) for phase in JITTER_PHASES}
     if (any(jitter.values()) or hardware.contention_spread > 0) and world > 1:
         rng = random.Random(1000 * factor_step + inverse_step)
         draws = []

@@ -1,32 +1,27 @@
 """Strategies as the real run composes them, planned with the real planners.
 
-A :class:`Strategy` is a fusion policy plus an inverse placement (``config.STRATEGIES``
-and the benchmark's ablations). :func:`prepare` makes, for one workload, hardware and
-world size, exactly the plans a real ``KFACPreconditioner`` would: the inverse
-:class:`~spdkfac.placement.Plan` from :func:`~spdkfac.placement.plan_inversions`, the
-broadcast grouping of :func:`~spdkfac.inversion.broadcast_groups` and the factor buckets
-of :mod:`spdkfac.comm.fusion`; the ``optimal`` policy plans from the hand-over times the
+A :class:`~spdkfac.strategies.Strategy` is a row of the one strategy table (a fusion
+policy plus an inverse placement), shared with the preconditioner and ``spdkfac bench``.
+:func:`prepare` makes, for one workload, hardware and world size, exactly the plans a
+real ``KFACPreconditioner`` would: the inverse :class:`~spdkfac.placement.Plan` from
+:func:`~spdkfac.placement.plan_inversions`, the broadcast grouping of
+:func:`~spdkfac.inversion.broadcast_groups` and the factor buckets of
+:mod:`spdkfac.comm.fusion`; the ``optimal`` policy plans from the hand-over times the
 compute-only timeline gives, as the real one plans from rank 0's measurements. DDP's
 gradient buckets follow the order gradients become final, with its 1 MiB first bucket.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from spdkfac.comm.fusion import (
-    FusionPlan,
-    plan_after_backward,
-    plan_layerwise,
-    plan_optimal,
-    plan_threshold,
-)
-from spdkfac.config import STRATEGIES
+from spdkfac.comm.fusion import FusionInputs, FusionPlan, FusionPolicy
 from spdkfac.inversion import BroadcastGroup, broadcast_groups
 from spdkfac.linalg import packed_size
 from spdkfac.placement import FactorSpec, Plan, plan_inversions
 from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.workload import FactorHook, GradReady, Op
+from spdkfac.strategies import SGD, STRATEGIES, Strategy
 
 __all__ = [
     "DEFAULT_STRATEGIES",
@@ -37,61 +32,9 @@ __all__ = [
     "prepare",
 ]
 
-
-@dataclass(frozen=True)
-class Strategy:
-    """One optimizer configuration.
-
-    Attributes:
-        name: Key of :data:`STRATEGY_TABLE`.
-        factor_exchange: Fusion policy (None: plain SGD, no K-FAC).
-        placement: Inverse placement (None: plain SGD).
-        fuse_broadcasts: Whether an owner's inverses share broadcasts.
-        description: One line for reports.
-    """
-
-    name: str
-    factor_exchange: str | None
-    placement: str | None
-    fuse_broadcasts: bool
-    description: str
-
-    @property
-    def uses_kfac(self) -> bool:
-        """False for the SGD baseline."""
-        return self.factor_exchange is not None
-
-
-def _composed(name: str, preset: str, exchange: str | None, description: str) -> Strategy:
-    base = STRATEGIES[preset]
-    return Strategy(
-        name,
-        exchange or base.factor_exchange,
-        base.placement,
-        base.fuse_broadcasts,
-        description,
-    )
-
-
-#: Every strategy the simulator knows; names match ``spdkfac bench``'s variants.
-STRATEGY_TABLE: dict[str, Strategy] = {
-    "sgd": Strategy("sgd", None, None, False, "momentum SGD, no K-FAC"),
-    "d-kfac": _composed("d-kfac", "d-kfac", None, "after-backward, replicated inverses"),
-    "mpd-kfac": _composed("mpd-kfac", "mpd-kfac", None, "after-backward, round-robin inverses"),
-    "spd-kfac": _composed("spd-kfac", "spd-kfac", None, "optimal fusion, balanced CT/NCT"),
-    "placement-only": _composed(
-        "placement-only", "spd-kfac", "after-backward", "SPD-KFAC placement, after-backward"
-    ),
-    "pipelining-only": _composed(
-        "pipelining-only", "d-kfac", "optimal", "replicated inverses, optimal fusion"
-    ),
-    **{
-        f"fusion:{policy}": _composed(
-            f"fusion:{policy}", "spd-kfac", policy, f"SPD-KFAC placement, {policy} exchange"
-        )
-        for policy in ("after-backward", "layerwise", "threshold", "optimal")
-    },
-}
+#: Every strategy the simulator knows: SGD and the rows of the one strategy table
+#: (names match ``spdkfac bench``'s variants).
+STRATEGY_TABLE: dict[str, Strategy] = {SGD.name: SGD, **STRATEGIES}
 DEFAULT_STRATEGIES: tuple[str, ...] = (
     "d-kfac",
     "mpd-kfac",
@@ -174,36 +117,38 @@ def hand_over_times(costs: WorkloadCosts) -> tuple[list[float], list[float]]:
     return a_ready, g_ready
 
 
-def _fusion(costs: WorkloadCosts, policy: str) -> FusionPlan:
+def _fusion(costs: WorkloadCosts, policy: FusionPolicy) -> FusionPlan:
     workload = costs.workload
-    a_order = [f"{layer.name}/A" for layer in workload.layers]
-    g_order = [f"{name}/G" for name in workload.g_order]
+    a_order = tuple(f"{layer.name}/A" for layer in workload.layers)
+    g_order = tuple(f"{name}/G" for name in workload.g_order)
     sizes = {
         f"{layer.name}/{kind}": packed_size(dim)
         for layer in workload.layers
         for kind, dim in (("A", layer.a_dim), ("G", layer.g_dim))
     }
-    cap = max(1, costs.hardware.factor_bucket_bytes // 4)
-    if policy == "after-backward":
-        return plan_after_backward(a_order, g_order, sizes, cap)
-    if policy == "layerwise":
-        return plan_layerwise(a_order, g_order)
-    if policy == "threshold":
-        return plan_threshold(a_order, g_order, sizes, cap)
-    if policy != "optimal":
-        raise ValueError(f"unknown factor exchange {policy!r}")
+    inputs = FusionInputs(
+        a_order=a_order,
+        g_order=g_order,
+        sizes=sizes,
+        bucket_cap_elements=max(1, costs.hardware.factor_bucket_bytes // 4),
+        allreduce=costs.hardware.cost_model(costs.world_size).allreduce,
+        bytes_per_element=4,
+    )
+    if not policy.measured:
+        return policy.plan(inputs)
+    # Measured policies plan from the hand-over times of the compute-only timeline, as
+    # the real one plans from rank 0's measurements.
     a_times, g_times = _first_hand_overs(costs)
-    allreduce = costs.hardware.cost_model(costs.world_size).allreduce
-    a_keys = sorted(a_order, key=lambda key: a_times[key])
-    g_keys = sorted(g_order, key=lambda key: g_times[key])
-    return plan_optimal(
-        a_keys,
-        g_keys,
-        sizes,
-        [a_times[key] - a_times[a_keys[0]] for key in a_keys],
-        [g_times[key] - g_times[g_keys[0]] for key in g_keys],
-        allreduce,
-        4,
+    a_keys = tuple(sorted(a_order, key=lambda key: a_times[key]))
+    g_keys = tuple(sorted(g_order, key=lambda key: g_times[key]))
+    return policy.plan(
+        replace(
+            inputs,
+            a_order=a_keys,
+            g_order=g_keys,
+            a_ready=tuple(a_times[key] - a_times[a_keys[0]] for key in a_keys),
+            g_ready=tuple(g_times[key] - g_times[g_keys[0]] for key in g_keys),
+        )
     )
 
 
@@ -231,7 +176,7 @@ def prepare(costs: WorkloadCosts, strategy: Strategy, plan: Plan | None = None) 
     grad_buckets = _grad_buckets(costs) if world_size > 1 else ()
     if not strategy.uses_kfac:
         return StrategySetup(strategy, costs, None, (), None, grad_buckets)
-    assert strategy.placement is not None and strategy.factor_exchange is not None
+    assert strategy.placement_policy is not None and strategy.fusion is not None
     cost_model = costs.hardware.cost_model(world_size)
     specs: list[FactorSpec] = []
     for layer in costs.workload.layers:
@@ -240,7 +185,7 @@ def prepare(costs: WorkloadCosts, strategy: Strategy, plan: Plan | None = None) 
             FactorSpec(layer.name, "G", layer.g_dim),
         ]
     if plan is None:
-        plan = plan_inversions(specs, world_size, strategy.placement, cost_model)
+        plan = plan_inversions(specs, world_size, strategy.placement_policy, cost_model)
     elif plan.world_size != world_size or sorted(s.key for s in plan.factors) != sorted(
         s.key for s in specs
     ):
@@ -250,5 +195,5 @@ def prepare(costs: WorkloadCosts, strategy: Strategy, plan: Plan | None = None) 
     if world_size > 1:
         minimum = cost_model.broadcast_group_elements() if strategy.fuse_broadcasts else 0
         groups = tuple(broadcast_groups(plan, {spec.key: None for spec in specs}, minimum))
-        fusion = _fusion(costs, strategy.factor_exchange)
+        fusion = _fusion(costs, strategy.fusion)
     return StrategySetup(strategy, costs, plan, groups, fusion, grad_buckets)

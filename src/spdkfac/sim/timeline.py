@@ -12,7 +12,8 @@ Per rank, in order (names are the profiler's ``kfac/<phase>/<layer>``):
 4. ``grad_comm/wait`` until every gradient bucket is reduced; ``forward_backward`` closes.
 5. ``step/all``: gradient gather and checks; on factor steps the rest of the factor
    buckets and the weights all-reduce, ``factor_comm/wait`` (unpacking included),
-   ``factor_compute/running_average``; otherwise the one-element skip-flag all-reduce.
+   ``factor_compute/running_average``; otherwise the one-element skip-flag all-reduce
+   (``flag_comm/skip``).
 6. On inverse steps, :func:`~spdkfac.inversion.invert_factors` as it runs: for each
    broadcast group in order the owner inverts its members (``inverse_compute/<key>``),
    packs and issues the broadcast, the others issue at once; then every rank inverts the
@@ -36,7 +37,7 @@ from dataclasses import replace
 
 from spdkfac.linalg import packed_size
 from spdkfac.placement import EVERY_RANK
-from spdkfac.profiling import phase_of, span_name
+from spdkfac.profiling import Phase, phase_of, span_name
 from spdkfac.sim.program import Close, Collective, Compute, Instruction, Issue, Open, Wait
 from spdkfac.sim.strategies import StrategySetup
 from spdkfac.sim.workload import FactorHook, GradReady, Op
@@ -145,7 +146,7 @@ def _passes(builder: _Builder, factor_step: bool, out: list[Instruction]) -> _La
         factors = _Launcher(builder, fusion.buckets, factor_ids)
     pending = 0.0
     handed: set[str] = set()
-    out.append(Open(span_name("forward_backward")))
+    out.append(Open(span_name(Phase.FORWARD_BACKWARD)))
     if multi and workload.buffer_bytes and costs.hardware.broadcast_buffers:
         buffers = builder.collective("buffers", "default", "broadcast", workload.buffer_bytes)
         _issue(builder, buffers, out)
@@ -163,17 +164,17 @@ def _passes(builder: _Builder, factor_step: bool, out: list[Instruction]) -> _La
             pending = 0.0
             key = f"{item.layer}/{item.kind}"
             seconds = costs.factor(workload.layer(item.layer), item.kind)
-            out.append(Compute(seconds, span_name("factor_compute", key)))
+            out.append(Compute(seconds, span_name(Phase.FACTOR_COMPUTE, key)))
             # The first call hands the factor over (accumulation_steps=1).
             if factors is not None and fusion is not None and key not in handed:
                 handed.add(key)
-                name = span_name("factor_compute", key)  # launches happen inside the hook
+                name = span_name(Phase.FACTOR_COMPUTE, key)  # launches happen inside the hook
                 factors.ready(key, out, eager=fusion.eager, name=name)
     out.append(Compute(pending))
     if multi:
         grads.flush(out, force=True)
-        out.append(Wait(tuple(grad_ids), span_name("grad_comm", "wait")))
-    out.append(Close(span_name("forward_backward")))
+        out.append(Wait(tuple(grad_ids), span_name(Phase.GRAD_COMM, "wait")))
+    out.append(Close(span_name(Phase.FORWARD_BACKWARD)))
     return factors
 
 
@@ -187,9 +188,9 @@ def _factor_phase(builder: _Builder, factors: _Launcher | None, out: list[Instru
             "factor weights", channel, "allreduce", 8.0 * (2 * len(layers) + 1)
         )
         _issue(builder, weights, out)
-        out.append(Wait((*factors.ids, weights), span_name("factor_comm", "wait")))
-        out.append(Compute(costs.unpack_factors(), span_name("factor_comm", "unpack")))
-    out.append(Compute(costs.running_average(), span_name("factor_compute", "running_average")))
+        out.append(Wait((*factors.ids, weights), span_name(Phase.FACTOR_COMM, "wait")))
+        out.append(Compute(costs.unpack_factors(), span_name(Phase.FACTOR_COMM, "unpack")))
+    out.append(Compute(costs.running_average(), span_name(Phase.FACTOR_COMPUTE, "running_average")))
 
 
 def _inverse_phase(builder: _Builder, rank: int, out: list[Instruction], ids: list[int]) -> None:
@@ -200,29 +201,33 @@ def _inverse_phase(builder: _Builder, rank: int, out: list[Instruction], ids: li
     if len(builder.world) == 1:
         for spec in plan.factors:
             out.append(
-                Compute(costs.inverse(spec.dim, spec.key), span_name("inverse_compute", spec.key))
+                Compute(
+                    costs.inverse(spec.dim, spec.key), span_name(Phase.INVERSE_COMPUTE, spec.key)
+                )
             )
         return
     for group, collective in zip(setup.groups, ids[:-1], strict=True):
         if group.owner == rank:
             for key in group.keys:
                 out.append(
-                    Compute(costs.inverse(dims[key], key), span_name("inverse_compute", key))
+                    Compute(costs.inverse(dims[key], key), span_name(Phase.INVERSE_COMPUTE, key))
                 )
             pack = sum(costs.pack_inverse(dim) for dim in group.dims)
-            out.append(Compute(pack, span_name("inverse_compute", "pack")))
+            out.append(Compute(pack, span_name(Phase.INVERSE_COMPUTE, "pack")))
         _issue(builder, collective, out)
     for spec, owner in zip(plan.factors, plan.owners, strict=True):
         if owner == EVERY_RANK:
             out.append(
-                Compute(costs.inverse(spec.dim, spec.key), span_name("inverse_compute", spec.key))
+                Compute(
+                    costs.inverse(spec.dim, spec.key), span_name(Phase.INVERSE_COMPUTE, spec.key)
+                )
             )
     for group, collective in zip(setup.groups, ids[:-1], strict=True):
-        out.append(Wait((collective,), span_name("inverse_comm", "wait")))
+        out.append(Wait((collective,), span_name(Phase.INVERSE_COMM, "wait")))
         if group.owner != rank:
             out.append(Compute(sum(costs.unpack_inverse(dim) for dim in group.dims)))
     _issue(builder, ids[-1], out)
-    out.append(Wait((ids[-1],), span_name("inverse_comm", "failures")))
+    out.append(Wait((ids[-1],), span_name(Phase.INVERSE_COMM, "failures")))
 
 
 def build_iteration(
@@ -245,9 +250,9 @@ def build_iteration(
     costs = builder.costs
     workload = costs.workload
     kfac = setup.strategy.uses_kfac
-    prefix: list[Instruction] = [Open(span_name("iteration"))]
+    prefix: list[Instruction] = [Open(span_name(Phase.ITERATION))]
     factors = _passes(builder, factor_step, prefix)
-    prefix.append(Open(span_name("step")))
+    prefix.append(Open(span_name(Phase.STEP)))
     if kfac:
         prefix.append(Compute(costs.step_prologue(factor_step)))
         if factor_step:
@@ -255,7 +260,7 @@ def build_iteration(
         elif len(builder.world) > 1:
             flag = builder.collective("skip flag", "default", "allreduce", 4.0)
             _issue(builder, flag, prefix)
-            prefix.append(Wait((flag,)))
+            prefix.append(Wait((flag,), span_name(Phase.FLAG_COMM, "skip")))
     inverse_ids: list[int] = []
     if kfac and inverse_step and len(builder.world) > 1:
         inverse_ids = [
@@ -275,12 +280,14 @@ def build_iteration(
     suffix: list[Instruction] = []
     if kfac:
         for layer in workload.layers:
-            suffix.append(Compute(costs.precondition(layer), span_name("precondition", layer.name)))
-        suffix.append(Compute(costs.kl_clip(), span_name("precondition", "kl_clip")))
+            suffix.append(
+                Compute(costs.precondition(layer), span_name(Phase.PRECONDITION, layer.name))
+            )
+        suffix.append(Compute(costs.kl_clip(), span_name(Phase.PRECONDITION, "kl_clip")))
     suffix += [
-        Close(span_name("step")),
+        Close(span_name(Phase.STEP)),
         Compute(costs.optimizer()),
-        Close(span_name("iteration")),
+        Close(span_name(Phase.ITERATION)),
     ]
     programs: list[list[Instruction]] = []
     speeds = rank_speeds(len(builder.world), costs.hardware.rank_spread)
@@ -297,14 +304,14 @@ def build_iteration(
 
 
 #: Phases whose compute times vary independently from one iteration to the next.
-JITTER_PHASES = (
-    "forward_backward",
-    "factor_compute",
-    "factor_comm",
-    "inverse_compute",
-    "precondition",
-    "step",
-    "iteration",
+JITTER_PHASES: tuple[Phase, ...] = (
+    Phase.FORWARD_BACKWARD,
+    Phase.FACTOR_COMPUTE,
+    Phase.FACTOR_COMM,
+    Phase.INVERSE_COMPUTE,
+    Phase.PRECONDITION,
+    Phase.STEP,
+    Phase.ITERATION,
 )
 
 
@@ -321,7 +328,7 @@ def _scaled(
         elif isinstance(step, Close):
             open_phases.pop()
         elif isinstance(step, Compute):
-            phase = phase_of(step.name) if step.name else (open_phases or ["iteration"])[-1]
+            phase = phase_of(step.name) if step.name else (open_phases or [Phase.ITERATION])[-1]
             step = replace(step, seconds=step.seconds * speed * factors.get(phase, 1.0))
         scaled.append(step)
     return scaled

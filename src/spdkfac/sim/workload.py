@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from spdkfac.costmodel import factor_flops
-from spdkfac.discovery import discover_layers
+from spdkfac.curvature import discover_layers
 from spdkfac.sim.items import FactorHook, GradReady, Op, TraceItem
 from spdkfac.sim.tracer import median_times, normalised, one_pass, plain_seconds
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
-from spdkfac.models import MODEL_NAMES, build_model
+from spdkfac.models import MODEL_NAMES, build_model, optional_torchvision_models
 from spdkfac.models.densenet import densenet121, densenet201
 from spdkfac.models.imagenet import resnet50, resnet152
 from spdkfac.sim.workload import Workload, trace_workload
@@ -43,11 +42,8 @@ class ModelEntry:
 
 
 def _torchvision(name: str) -> Callable[..., nn.Module] | None:
-    try:
-        models = importlib.import_module("torchvision.models")
-    except ImportError:
-        return None
-    if name not in models.list_models():
+    models = optional_torchvision_models()
+    if models is None or name not in models.list_models():
         return None
     get_model: Callable[..., nn.Module] = models.get_model
     return lambda **kwargs: get_model(name, weights=None, **kwargs)

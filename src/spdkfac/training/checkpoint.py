@@ -14,14 +14,14 @@ torn one (the pattern of torch.distributed.checkpoint's ``.metadata``).
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from spdkfac import jsonio
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -43,31 +43,13 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, corrupt or from another configuration."""
 
 
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    """Write ``payload`` to ``path`` so that readers see the old file or the new one."""
+    """Write ``payload`` to ``path`` so that readers see the old file or the new one.
+
+    Creates the directory; the file is private to the user (0600), like ``mkstemp``'s.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
+    jsonio.atomic_write_bytes(path, payload, mode=None)
 
 
 def atomic_torch_save(path: Path, obj: Any) -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spdkfac.config import STRATEGIES
+from spdkfac.checks import check_choice, check_int, check_number
 from spdkfac.layers.batchnorm import BATCHNORM_MODES
+from spdkfac.strategies import ALGORITHMS
 
 __all__ = [
     "BATCHNORM_CURVATURES",
@@ -89,44 +89,37 @@ class TrainConfig:
     config: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        _choice("dataset", self.dataset, DATASETS)
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _choice("strategy", self.strategy, tuple(STRATEGIES))
-        _choice("batchnorm", self.batchnorm, BATCHNORM_CURVATURES)
-        _positive_float("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
+        check_choice("dataset", self.dataset, DATASETS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_choice("strategy", self.strategy, ALGORITHMS)
+        check_choice("batchnorm", self.batchnorm, BATCHNORM_CURVATURES)
+        check_number("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
         for name in ("epochs", "batch_size", "accumulation_steps", "image_size",
                      "factor_update_steps", "inv_update_steps",
                      "stale_factor_update_steps", "stale_inv_update_steps"):  # fmt: skip
-            _positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name), low=1)
         for name in ("damping_warmup_steps", "checkpoint_every", "seed", "stale_growth_steps"):
-            _non_negative_int(name, getattr(self, name))
+            check_int(name, getattr(self, name), low=0)
         for name in ("max_steps", "threads", "stale_switch_step"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+                check_int(name, getattr(self, name), low=1)
         for name in ("lr", "damping", "factor_decay", "lr_gamma", "poly_power",
                      "collective_timeout"):  # fmt: skip
-            _positive_float(name, getattr(self, name))
+            check_number(name, getattr(self, name))
         for name in ("momentum", "weight_decay", "warmup_epochs", "mixup_alpha",
                      "poly_start_epoch"):  # fmt: skip
-            _non_negative_float(name, getattr(self, name))
+            check_number(name, getattr(self, name), low_inclusive=True)
         for name in ("random_erasing", "label_smoothing", "target_accuracy"):
-            value = getattr(self, name)
-            _non_negative_float(name, value)
-            if value > 1:
-                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-        if self.factor_decay > 1:
-            raise ValueError(f"factor_decay must be in (0, 1], got {self.factor_decay!r}")
-        if self.kl_clip is not None:
-            _positive_float("kl_clip", self.kl_clip)
-        if self.damping_initial is not None:
-            _positive_float("damping_initial", self.damping_initial)
-        if self.poly_end_epoch is not None:
-            _positive_float("poly_end_epoch", self.poly_end_epoch)
+            check_number(name, getattr(self, name), low_inclusive=True, high=1.0)
+        check_number("factor_decay", self.factor_decay, high=1.0)
+        for name in ("kl_clip", "damping_initial", "poly_end_epoch"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name))
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov needs momentum > 0, got momentum=0")
         for milestone in self.milestones:
-            _positive_float("milestones", milestone)
+            check_number("milestones", milestone)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (tuples as lists), for checkpoints and TOML."""
@@ -216,32 +209,3 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _non_negative_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-
-
-def _positive_float(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-
-
-def _non_negative_float(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

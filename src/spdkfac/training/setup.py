@@ -1,9 +1,10 @@
-"""Building a run's pieces from its config: datasets, model, schedules."""
+"""Building a run's pieces from its config: datasets, model, schedules, optimizers."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -11,16 +12,12 @@ from spdkfac.data import load_fashion_mnist
 from spdkfac.data.cifar10 import load_cifar10
 from spdkfac.data.imagefolder import load_image_folder
 from spdkfac.models import build_model
-from spdkfac.schedules import (
-    cosine_lr,
-    damping_warmup,
-    polynomial_lr,
-    stale_interval,
-    step_lr,
-)
+from spdkfac.preconditioner import KFACPreconditioner
+from spdkfac.schedules import damping_warmup, stale_interval
 from spdkfac.training.config import TrainConfig
+from spdkfac.training.lr_schedules import cosine_lr, polynomial_lr, step_lr
 
-__all__ = ["build_schedules", "load_datasets", "make_model"]
+__all__ = ["build_schedules", "load_datasets", "make_model", "make_optimizers"]
 
 FloatFn = Callable[[int], float]
 IntFn = Callable[[int], int]
@@ -118,3 +115,37 @@ def build_schedules(
             growth_steps=config.stale_growth_steps,
         )
     return lr, damping, factor, inverse
+
+
+def make_optimizers(
+    config: TrainConfig, model: nn.Module, steps_per_epoch: int
+) -> tuple[FloatFn, torch.optim.SGD, KFACPreconditioner | None]:
+    """(lr schedule, SGD, K-FAC or None) for ``model``, as the options ask.
+
+    ``model`` is what the forward pass runs (wrapped in ``DistributedDataParallel`` under
+    more than one rank); K-FAC is constructed on it, a collective when there are ranks.
+    """
+    lr, damping, factor_steps, inv_steps = build_schedules(config, steps_per_epoch)
+    optimizer = torch.optim.SGD(
+        model.parameters(),
+        lr=lr(0),
+        momentum=config.momentum,
+        nesterov=config.nesterov,
+        weight_decay=config.weight_decay,
+    )
+    if config.optimizer != "kfac":
+        return lr, optimizer, None
+    precond = KFACPreconditioner(
+        model,
+        damping=damping,
+        factor_decay=config.factor_decay,
+        factor_update_steps=factor_steps,
+        inv_update_steps=inv_steps,
+        kl_clip=config.kl_clip,
+        lr=lr,
+        strategy=config.strategy,
+        accumulation_steps=config.accumulation_steps,
+        batchnorm=None if config.batchnorm == "off" else config.batchnorm,
+        batchnorm_damping_multiplier=config.batchnorm_damping_multiplier,
+    )
+    return lr, optimizer, precond

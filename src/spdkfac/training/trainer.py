@@ -8,16 +8,13 @@ continue exactly where the checkpoint left off.
 
 from __future__ import annotations
 
-import contextlib
-import csv
-import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,55 +23,28 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from spdkfac.cli.progress import ProgressBar
-from spdkfac.comm import Communicator, barrier, destroy_distributed, init_distributed
+from spdkfac.comm import Communicator, destroy_distributed, init_distributed
 from spdkfac.data.augment import RunningMixup, random_crop_flip, random_erasing, soft_cross_entropy
-from spdkfac.preconditioner import KFACPreconditioner
-from spdkfac.schedules import apply_to_optimizer, rescale_weights_
-from spdkfac.training.checkpoint import (
-    CHECKPOINT_FORMAT,
-    atomic_torch_save,
-    atomic_write_bytes,
-    publish_latest,
-    step_directory,
-)
+from spdkfac.training.checkpoint import atomic_write_bytes
 from spdkfac.training.config import TrainConfig
 from spdkfac.training.faults import FaultPlan
-from spdkfac.training.resume import replicas_identical, restore_checkpoint, state_tensors
-from spdkfac.training.setup import build_schedules, load_datasets, make_model
+from spdkfac.training.loop import StepHooks, evaluate_accuracy, train_step
+from spdkfac.training.lr_schedules import apply_to_optimizer
+from spdkfac.training.metrics import (
+    EpochMetrics,
+    TrainSummary,
+    format_summary,
+    open_tensorboard,
+    summarize,
+    write_outputs,
+)
+from spdkfac.training.persistence import restore_checkpoint, save_checkpoint
+from spdkfac.training.progress import ProgressBar
+from spdkfac.training.replicas import replicas_identical, state_tensors
+from spdkfac.training.rescaling import rescale_weights_
+from spdkfac.training.setup import load_datasets, make_model, make_optimizers
 
 __all__ = ["EpochMetrics", "TrainSummary", "train"]
-
-_KEEP_CHECKPOINTS = 2
-
-
-@dataclass
-class EpochMetrics:
-    """One row of ``metrics.csv``."""
-
-    epoch: int
-    step: int
-    train_loss: float
-    test_accuracy: float
-    epoch_seconds: float
-    train_seconds: float
-    lr: float
-    skipped_steps: int
-
-
-@dataclass
-class TrainSummary:
-    """What a run achieved."""
-
-    best_accuracy: float
-    final_accuracy: float
-    epochs_to_target: int | None
-    seconds_to_target: float | None
-    median_iteration_ms: float
-    steps: int
-    world_size: int
-    metrics: list[EpochMetrics] = field(default_factory=list)
-    replicas_identical: bool = True
 
 
 def _seed(config: TrainConfig, rank: int, step: int) -> int:
@@ -100,31 +70,12 @@ class _Run:
             self.train_set, num_replicas=comm.world_size, rank=comm.rank, seed=config.seed
         )
         self.steps_per_epoch = -(-len(self.sampler) // config.batch_size)
-        self.lr_fn, damping, factor_steps, inv_steps = build_schedules(config, self.steps_per_epoch)
-        self.optimizer = torch.optim.SGD(
-            self.model.parameters(),
-            lr=self.lr_fn(0),
-            momentum=config.momentum,
-            nesterov=config.nesterov,
-            weight_decay=config.weight_decay,
+        self.lr_fn, self.optimizer, self.precond = make_optimizers(
+            config, self.model, self.steps_per_epoch
         )
-        self.precond: KFACPreconditioner | None = None
-        if config.optimizer == "kfac":
-            self.precond = KFACPreconditioner(
-                self.model,
-                damping=damping,
-                factor_decay=config.factor_decay,
-                factor_update_steps=factor_steps,
-                inv_update_steps=inv_steps,
-                kl_clip=config.kl_clip,
-                lr=self.lr_fn,
-                strategy=config.strategy,
-                accumulation_steps=config.accumulation_steps,
-                batchnorm=None if config.batchnorm == "off" else config.batchnorm,
-                batchnorm_damping_multiplier=config.batchnorm_damping_multiplier,
-            )
         self.mixup = RunningMixup(config.mixup_alpha) if config.mixup_alpha > 0 else None
         self.faults = FaultPlan.from_env()
+        self.hooks = StepHooks(before_update=self._before_update)
         self.step = 0
         self.epoch_losses: list[float] = []  # this rank's losses so far in this epoch
         self.train_seconds = 0.0
@@ -133,43 +84,21 @@ class _Run:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
-        directory = step_directory(self.checkpoints, self.step)
-        if self.comm.rank == 0:
-            atomic_torch_save(
-                directory / "common.pt",
-                {
-                    "format": CHECKPOINT_FORMAT,
-                    "config": self.config.to_dict(),
-                    "world_size": self.comm.world_size,
-                    "step": self.step,
-                    "train_seconds": self.train_seconds,
-                    "metrics": [asdict(m) for m in self.metrics],
-                    "model": self.module.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "preconditioner": None if self.precond is None else self.precond.state_dict(),
-                },
-            )
-        rank_state = {
-            "format": CHECKPOINT_FORMAT,
-            "mixup": self._mixup_state(),
-            "epoch_losses": list(self.epoch_losses),
-        }
-        atomic_torch_save(directory / f"rank-{self.comm.rank}.pt", rank_state)
-        barrier(self.comm)  # every rank's file is on disk before the pointer moves
-        if self.comm.rank == 0:
-            publish_latest(self.checkpoints, self.step)
-            self._prune()
-        barrier(self.comm)
-
-    def _mixup_state(self) -> dict[str, Any] | None:
-        return None if self.mixup is None else self.mixup.state_dict()
-
-    def _prune(self) -> None:
-        old = sorted(p for p in self.checkpoints.glob("step-*") if p.is_dir())
-        for directory in old[:-_KEEP_CHECKPOINTS]:
-            for item in directory.iterdir():
-                item.unlink()
-            directory.rmdir()
+        save_checkpoint(
+            self.checkpoints,
+            self.comm,
+            self.config,
+            step=self.step,
+            train_seconds=self.train_seconds,
+            metrics=[asdict(m) for m in self.metrics],
+            module=self.module,
+            optimizer=self.optimizer,
+            preconditioner=self.precond,
+            rank_state={
+                "mixup": None if self.mixup is None else self.mixup.state_dict(),
+                "epoch_losses": list(self.epoch_losses),
+            },
+        )
 
     def restore(self) -> None:
         restored = restore_checkpoint(
@@ -220,70 +149,27 @@ class _Run:
             return soft_cross_entropy(logits, soft, label_smoothing=smoothing)
         return F.cross_entropy(logits, labels, label_smoothing=smoothing)
 
+    def _pass(self, images: Tensor, labels: Tensor, soft: Tensor | None, part: Tensor) -> Tensor:
+        logits = self.model(images[part])
+        return self._loss(logits, labels[part], None if soft is None else soft[part])
+
+    def _before_update(self) -> None:
+        self.faults.before_update(self.step, self.comm.rank)
+
     def train_step(self, indices: list[int]) -> float:
         config = self.config
         images, labels, soft = self._batch(indices)
         images = self.faults.poison_batch(images, self.step, self.comm.rank)
-        self.optimizer.zero_grad(set_to_none=True)
         chunks = torch.arange(len(labels)).chunk(config.accumulation_steps)
-        total = 0.0
-        for index, part in enumerate(chunks):
-            last = index == len(chunks) - 1
-            ddp = (
-                self.model if isinstance(self.model, nn.parallel.DistributedDataParallel) else None
-            )
-            # Gradients are all-reduced once, on the last pass (DDP.no_sync before it).
-            with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
-                logits = self.model(images[part])
-                loss = self._loss(logits, labels[part], None if soft is None else soft[part])
-                (loss / len(chunks)).backward()
-            total += float(loss.detach()) / len(chunks)
-        self.faults.before_update(self.step, self.comm.rank)
-        applied = self.precond.step() if self.precond is not None else True
-        if applied:
-            self.optimizer.step()
-            if config.weight_rescaling:
-                rescale_weights_(self.module)
+        passes = [partial(self._pass, images, labels, soft, part) for part in chunks]
+        outcome = train_step(self.model, self.optimizer, self.precond, passes, hooks=self.hooks)
+        if outcome.applied and config.weight_rescaling:
+            rescale_weights_(self.module)
         self.step += 1
         # torch.optim.SGD applies the lr outside its momentum buffer, which is exactly
         # Osawa et al.'s momentum-proportional-to-lr rule: only the lr needs setting.
         apply_to_optimizer(self.optimizer, self.step, lr=self.lr_fn)
-        return total
-
-    def evaluate(self) -> float:
-        self.model.eval()
-        counts = torch.zeros(2, dtype=torch.float64)
-        images, labels = self.test_set.tensors
-        shard = torch.arange(self.comm.rank, len(labels), self.comm.world_size)
-        with torch.no_grad():
-            for start in range(0, len(shard), 1000):
-                part = shard[start : start + 1000]
-                counts[0] += int((self.model(images[part]).argmax(1) == labels[part]).sum())
-                counts[1] += len(part)
-        self.model.train()
-        self.comm.all_reduce_sum(counts).wait()
-        return float(counts[0] / counts[1])
-
-
-def _write_outputs(run: _Run, summary: TrainSummary) -> None:
-    out = run.out_dir
-    with (out / "metrics.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(asdict(run.metrics[0]).keys()))
-        writer.writeheader()
-        for row in run.metrics:
-            writer.writerow(asdict(row))
-    atomic_write_bytes(out / "summary.json", json.dumps(asdict(summary), indent=2).encode())
-
-
-def _tensorboard(run: _Run) -> Any:
-    if not run.config.tensorboard or run.comm.rank != 0:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        run.log("TensorBoard logging skipped: the tensorboard package is not installed")
-        return None
-    return SummaryWriter(log_dir=str(run.out_dir / "tensorboard"))
+        return outcome.mean_loss
 
 
 def train(config: TrainConfig, *, log: Callable[[str], None] = print) -> TrainSummary:
@@ -305,7 +191,9 @@ def train(config: TrainConfig, *, log: Callable[[str], None] = print) -> TrainSu
 
 def _loop(run: _Run) -> TrainSummary:
     config, comm = run.config, run.comm
-    board = _tensorboard(run)
+    board = None
+    if config.tensorboard and comm.rank == 0:
+        board = open_tensorboard(run.out_dir, run.log)
     total_steps = config.epochs * run.steps_per_epoch
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
@@ -340,7 +228,8 @@ def _loop(run: _Run) -> TrainSummary:
         if run.step % run.steps_per_epoch == 0 or run.step >= total_steps:
             finite = [x for x in losses if math.isfinite(x)]  # skipped (NaN) steps left out
             mean = comm.all_reduce_average(torch.tensor([sum(finite) / max(len(finite), 1)]))
-            accuracy = run.evaluate()
+            images, labels = run.test_set.tensors
+            accuracy = evaluate_accuracy(run.model, images, labels, comm)
             row = EpochMetrics(
                 epoch=-(-run.step // run.steps_per_epoch),
                 step=run.step,
@@ -357,13 +246,19 @@ def _loop(run: _Run) -> TrainSummary:
                 for key in ("train_loss", "test_accuracy", "lr"):
                     board.add_scalar(key, getattr(row, key), row.epoch)
     run.save()
-    summary = _summary(run)
+    summary = summarize(
+        run.metrics,
+        target_accuracy=config.target_accuracy,
+        iteration_seconds=run.iteration_seconds,
+        steps=run.step,
+        world_size=comm.world_size,
+    )
     summary.replicas_identical = _replicas_identical(run)
     if not summary.replicas_identical and comm.rank == 0:
         print("spdkfac train: warning: parameters or factors differ across ranks", file=sys.stderr)
     if comm.rank == 0 and run.metrics:
-        _write_outputs(run, summary)
-        run.log(_format_summary(summary, config.target_accuracy))
+        write_outputs(run.out_dir, summary)
+        run.log(format_summary(summary, config.target_accuracy))
     if board is not None:
         board.close()
     return summary
@@ -379,34 +274,3 @@ def _replicas_identical(run: _Run) -> bool:
     if run.precond is not None:
         tensors += state_tensors(run.precond.state_dict())
     return replicas_identical(run.comm, tensors)
-
-
-def _summary(run: _Run) -> TrainSummary:
-    accuracies = [m.test_accuracy for m in run.metrics]
-    reached = [m for m in run.metrics if m.test_accuracy >= run.config.target_accuracy]
-    return TrainSummary(
-        best_accuracy=max(accuracies, default=0.0),
-        final_accuracy=accuracies[-1] if accuracies else 0.0,
-        epochs_to_target=reached[0].epoch if reached else None,
-        seconds_to_target=reached[0].train_seconds if reached else None,
-        median_iteration_ms=1000 * statistics.median(run.iteration_seconds)
-        if run.iteration_seconds
-        else 0.0,
-        steps=run.step,
-        world_size=run.comm.world_size,
-        metrics=run.metrics,
-    )
-
-
-def _format_summary(summary: TrainSummary, target: float) -> str:
-    reached = (
-        f"reached {target:.2%} at epoch {summary.epochs_to_target} after "
-        f"{summary.seconds_to_target:.1f} s of training"
-        if summary.epochs_to_target is not None
-        else f"did not reach {target:.2%}"
-    )
-    return (
-        f"best test accuracy {summary.best_accuracy:.4f}, final {summary.final_accuracy:.4f}; "
-        f"{reached}; median iteration {summary.median_iteration_ms:.1f} ms over "
-        f"{summary.steps} steps"
-    )

@@ -1,8 +1,11 @@
-"""Resuming with every rank agreeing: load, apply, then all-gather each rank's outcome.
+"""Saving and restoring a run's checkpoint, side by side, every rank taking part.
 
-Every rank reads the checkpoint ``latest`` points to and applies it locally; one
-all-gather of a fixed-size record (status, step, digest of ``common.pt``, error text) then
-turns a failure on any rank, or ranks that found different checkpoints, into the same
+:func:`save_checkpoint` writes rank 0's common file and every rank's own file, then moves
+the ``latest`` pointer once all are on disk (the format and the atomic writes are in
+:mod:`spdkfac.training.checkpoint`). :func:`restore_checkpoint` has every rank read the
+checkpoint ``latest`` points to and apply it locally; one all-gather of a fixed-size
+record (status, step, digest of ``common.pt``, error text) then turns a failure on any
+rank, or ranks that found different checkpoints, into the same
 :class:`~spdkfac.training.checkpoint.CheckpointError` on every rank, instead of one rank
 raising while the others wait in their next collective.
 """
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,17 +22,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from spdkfac.comm import Communicator
+from spdkfac.comm import Communicator, barrier
 from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.training.checkpoint import (
+    CHECKPOINT_FORMAT,
     CheckpointError,
+    atomic_torch_save,
     latest_checkpoint,
     load_common,
     load_rank_state,
+    publish_latest,
+    step_directory,
 )
 from spdkfac.training.config import TrainConfig, incompatible_fields
 
-__all__ = ["Restored", "replicas_identical", "restore_checkpoint", "state_tensors"]
+__all__ = ["KEEP_CHECKPOINTS", "Restored", "restore_checkpoint", "save_checkpoint"]
+
+#: How many checkpoints :func:`save_checkpoint` keeps (the newest ones).
+KEEP_CHECKPOINTS = 2
 
 _RECORD_BYTES = 1024
 _HEADER = struct.Struct("<Bq32s")  # status, step, sha256 of common.pt
@@ -46,6 +56,72 @@ class Restored:
     train_seconds: float
     metrics: list[dict[str, Any]]
     rank_state: dict[str, Any] | None
+
+
+def save_checkpoint(
+    root: Path,
+    comm: Communicator,
+    config: TrainConfig,
+    *,
+    step: int,
+    train_seconds: float,
+    metrics: Sequence[Mapping[str, Any]],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    preconditioner: KFACPreconditioner | None,
+    rank_state: Mapping[str, Any],
+) -> None:
+    """Write the checkpoint of ``step`` under ``root`` and point ``latest`` at it.
+
+    A collective: every rank calls it. Rank 0 writes ``common.pt`` (model, optimizer,
+    preconditioner, counters, config), each rank its ``rank-R.pt`` (``rank_state``); once
+    every file is on disk rank 0 moves ``latest`` and deletes all but the newest
+    :data:`KEEP_CHECKPOINTS` checkpoints.
+
+    Args:
+        root: The checkpoint directory (``OUT/checkpoints``).
+        comm: This rank's communicator.
+        config: The run's configuration, stored for the resume-time compatibility check.
+        step: Optimizer steps completed.
+        train_seconds: Training time so far.
+        metrics: The per-epoch rows so far, as plain dicts.
+        module: The model (unwrapped from ``DistributedDataParallel``).
+        optimizer: Its optimizer.
+        preconditioner: K-FAC, or None.
+        rank_state: This rank's own state (plain values and tensors).
+    """
+    directory = step_directory(root, step)
+    if comm.rank == 0:
+        atomic_torch_save(
+            directory / "common.pt",
+            {
+                "format": CHECKPOINT_FORMAT,
+                "config": config.to_dict(),
+                "world_size": comm.world_size,
+                "step": step,
+                "train_seconds": train_seconds,
+                "metrics": list(metrics),
+                "model": module.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "preconditioner": None if preconditioner is None else preconditioner.state_dict(),
+            },
+        )
+    atomic_torch_save(
+        directory / f"rank-{comm.rank}.pt", {"format": CHECKPOINT_FORMAT, **rank_state}
+    )
+    barrier(comm)  # every rank's file is on disk before the pointer moves
+    if comm.rank == 0:
+        publish_latest(root, step)
+        _prune(root)
+    barrier(comm)
+
+
+def _prune(root: Path) -> None:
+    old = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for directory in old[:-KEEP_CHECKPOINTS]:
+        for item in directory.iterdir():
+            item.unlink()
+        directory.rmdir()
 
 
 def restore_checkpoint(
@@ -167,32 +243,3 @@ def _agree(comm: Communicator, restored: Restored | None, digest: bytes, error: 
             f"ranks disagree on the checkpoint to resume from ({found}); give every rank "
             "the same --out-dir on a shared file system"
         )
-
-
-def replicas_identical(comm: Communicator, tensors: Iterable[Tensor]) -> bool:
-    """Whether ``tensors`` are bitwise equal on every rank (one all-gather of a digest).
-
-    A collective: every rank calls it with the same tensors in the same order.
-    """
-    hasher = hashlib.sha256()
-    for tensor in tensors:
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        hasher.update(str(flat.dtype).encode())
-        hasher.update(flat.view(torch.uint8).numpy().tobytes())
-    if comm.world_size == 1:
-        return True
-    local = torch.frombuffer(bytearray(hasher.digest()), dtype=torch.uint8).to(comm.device)
-    gathered = comm.all_gather(local).wait()
-    return all(torch.equal(other.cpu(), gathered[0].cpu()) for other in gathered)
-
-
-def state_tensors(state: Mapping[str, Any] | Iterable[Any]) -> list[Tensor]:
-    """Every tensor in a nested state dict (dicts in key order, lists in order)."""
-    found: list[Tensor] = []
-    items = state.values() if isinstance(state, Mapping) else state
-    for value in items:
-        if isinstance(value, Tensor):
-            found.append(value)
-        elif isinstance(value, (Mapping, list, tuple)):
-            found.extend(state_tensors(value))
-    return found

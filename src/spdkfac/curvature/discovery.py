@@ -1,4 +1,4 @@
-"""Finding the layers K-FAC preconditions in a model, and what it leaves alone."""
+"""Finding the layers K-FAC preconditions as curvature blocks, and what it leaves alone."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from collections.abc import Collection, Iterable
 
 from torch import Tensor, nn
 
-from spdkfac.config import SkipEntry
-from spdkfac.curvature import LayerState
+from spdkfac.curvature.block import CurvatureBlock
+from spdkfac.curvature.kronecker import KroneckerBlock
+from spdkfac.curvature.normalization import NormalizationBlock
 from spdkfac.layers import FactorOptions, lookup
 from spdkfac.layers.batchnorm import is_supported_batchnorm
+from spdkfac.types import NormalizationMode, SkipEntry
 
-__all__ = ["discover_batchnorm_layers", "discover_layers", "unwrap_model"]
+__all__ = ["discover_batchnorm_layers", "discover_blocks", "discover_layers", "unwrap_model"]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -45,8 +47,8 @@ def discover_layers(
     options: FactorOptions | None = None,
     *,
     handled: Collection[str] = (),
-) -> dict[str, LayerState]:
-    """Registered layers in ``named_modules`` order; warns once about unsupported ones.
+) -> dict[str, KroneckerBlock]:
+    """Kronecker blocks in ``named_modules`` order; warns once about unsupported layers.
 
     A layer is registered when an adapter supports it, its weight requires grad, and it is
     not skipped; its adapter computes factors as ``options`` say. Other modules with
@@ -56,7 +58,7 @@ def discover_layers(
     Raises:
         ValueError: A name in ``skip`` matches no module, or nothing is left to register.
     """
-    layers: dict[str, LayerState] = {}
+    layers: dict[str, KroneckerBlock] = {}
     unsupported: Counter[str] = Counter()
     names = [name for name, _ in model.named_modules()]
     for entry in skip:
@@ -71,7 +73,7 @@ def discover_layers(
             if isinstance(weight, Tensor) and weight.requires_grad:
                 if options is not None:
                     adapter = adapter.with_options(options)
-                layers[name] = LayerState(name=name, module=module, adapter=adapter)
+                layers[name] = KroneckerBlock(name, module, adapter)
             continue
         if name not in handled and any(p.requires_grad for p in module.parameters(recurse=False)):
             unsupported[type(module).__name__] += 1
@@ -102,3 +104,36 @@ def discover_batchnorm_layers(
         for name, module in model.named_modules()
         if is_supported_batchnorm(module) and not _is_skipped(name, module, skip)
     }
+
+
+def discover_blocks(
+    model: nn.Module,
+    skip: tuple[SkipEntry, ...],
+    options: FactorOptions | None = None,
+    *,
+    normalization: NormalizationMode | None = None,
+    normalization_damping_multiplier: float = 1.0,
+) -> list[CurvatureBlock]:
+    """Every curvature block of ``model``: Kronecker blocks, then normalization blocks.
+
+    Normalization layers get blocks only when ``normalization`` names a mode; otherwise
+    they keep their plain gradient (and are listed among the unsupported layers).
+
+    Raises:
+        ValueError: As :func:`discover_layers`.
+    """
+    normal = (
+        {}
+        if normalization is None
+        else {
+            name: NormalizationBlock(
+                name,
+                module,
+                mode=normalization,
+                damping_multiplier=normalization_damping_multiplier,
+            )
+            for name, module in discover_batchnorm_layers(model, skip).items()
+        }
+    )
+    kronecker = discover_layers(model, skip, options, handled=normal.keys())
+    return [*kronecker.values(), *normal.values()]

@@ -11,7 +11,7 @@ import torch
 
 from spdkfac.comm import Communicator
 
-__all__ = ["Budget", "check_repeats", "median_seconds", "synchronize"]
+__all__ = ["Budget", "median_seconds", "synchronize"]
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Budget:
     _deadline: float = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        # Not checks.check_number: that refuses infinity, which here means "no limit".
         if not (self.seconds > 0):
             raise ValueError(f"max_seconds must be > 0, got {self.seconds!r}")
         self._deadline = time.perf_counter() + self.seconds
@@ -85,9 +86,3 @@ def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device)
         if len(times) >= repeats:
             break
     return statistics.median(times)
-
-
-def check_repeats(repeats: int) -> None:
-    """Raise ``ValueError`` unless ``repeats`` is an int >= 1."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")

@@ -10,10 +10,10 @@ from typing import NamedTuple
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from spdkfac.calibrate_timing import Budget, check_repeats, median_seconds
-from spdkfac.capture import ActivationCapture
+from spdkfac.calibrate.timing import Budget, median_seconds
+from spdkfac.checks import check_int
 from spdkfac.costmodel import FactorSample, factor_flops
-from spdkfac.discovery import discover_layers
+from spdkfac.curvature import ActivationCapture, discover_layers
 from spdkfac.layers import KFACLayer
 
 __all__ = ["measure_factors"]
@@ -37,7 +37,7 @@ def _capture(model: nn.Module, inputs: Tensor, targets: Tensor) -> dict[str, _Ca
     capture = ActivationCapture(
         {name: state.module for name, state in layers.items()},
         on_input=lambda name, _module, tensor: inputs_seen[name].append(tensor),
-        on_grad_output=lambda name, _module, tensor: grads_seen[name].append(tensor),
+        on_grad_output=lambda name, _module, _inputs, grad: grads_seen[name].append(grad),
         enabled=lambda: True,
     )
     try:
@@ -69,7 +69,7 @@ def measure_factors(
     gradients captured from one forward/backward pass of ``model`` with a cross-entropy
     loss, in ``named_modules`` order; layers left when ``budget`` runs out are skipped.
     """
-    check_repeats(repeats)
+    check_int("repeats", repeats)
     captured = _capture(model, inputs, targets)
     samples: list[FactorSample] = []
     names = list(captured)

@@ -1,4 +1,4 @@
-"""Hooks that hand each registered layer's input and output gradient to a sink."""
+"""Hooks that hand each registered layer's input, and later its output gradient, to sinks."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ActivationCapture", "PairedCapture"]
+__all__ = ["ActivationCapture"]
 
 InputSink = Callable[[str, nn.Module, Tensor], None]
-GradSink = Callable[[str, nn.Module, Tensor], None]
-PairSink = Callable[[str, nn.Module, Tensor, Tensor], None]
+GradSink = Callable[[str, nn.Module, Tensor, Tensor], None]
 
 
 def _captures(module: nn.Module, args: tuple[Any, ...], enabled: Callable[[], bool]) -> bool:
@@ -43,12 +42,15 @@ class ActivationCapture:
     goes to ``on_input`` from the forward pre-hook, before the layer runs; the gradient of
     the loss with respect to the layer output goes to ``on_grad_output`` from a hook on the
     output tensor (which, unlike a module backward hook, tolerates in-place ops after the
-    layer such as ``ReLU(inplace=True)``).
+    layer such as ``ReLU(inplace=True)``), together with that call's input: a layer used
+    several times before one backward (or gradient accumulation) pairs every gradient
+    with its own input. Holding the detached input costs no memory: autograd keeps it for
+    the layer's backward anyway.
 
     Args:
         modules: Name → module to capture.
         on_input: Called as ``on_input(name, module, input)``.
-        on_grad_output: Called as ``on_grad_output(name, module, grad_output)``.
+        on_grad_output: Called as ``on_grad_output(name, module, input, grad_output)``.
         enabled: Called once per forward to decide whether to capture it.
     """
 
@@ -64,8 +66,8 @@ class ActivationCapture:
         self._on_grad_output = on_grad_output
         self._enabled = enabled
         self._handles: list[RemovableHandle] = []
-        # Modules whose current forward call is being captured (pre-hook → forward hook).
-        self._active: set[str] = set()
+        # Inputs of the forward calls being captured (pre-hook → forward hook), per module.
+        self._active: dict[str, list[Tensor]] = {}
         for name, module in modules.items():
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
             self._handles.append(module.register_forward_hook(self._post_hook(name)))
@@ -74,17 +76,19 @@ class ActivationCapture:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if not _captures(module, args, self._enabled):
                 return
-            self._active.add(name)
-            self._on_input(name, module, args[0].detach())
+            inputs = args[0].detach()
+            self._active.setdefault(name, []).append(inputs)
+            self._on_input(name, module, inputs)
 
         return hook
 
     def _post_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if name not in self._active:
+            calls = self._active.get(name)
+            if not calls:
                 return
-            self._active.discard(name)
-            _on_output_grad(output, lambda grad: self._on_grad_output(name, module, grad))
+            inputs = calls.pop()
+            _on_output_grad(output, lambda grad: self._on_grad_output(name, module, inputs, grad))
 
         return hook
 
@@ -94,48 +98,3 @@ class ActivationCapture:
             handle.remove()
         self._handles.clear()
         self._active.clear()
-
-
-class PairedCapture:
-    """Hands each captured forward call's input together with its output gradient to a sink.
-
-    For layers whose curvature needs both at once (BatchNorm's ``Σₛ g·x̂``). The input is
-    bound to the hook on that call's output, so a layer used several times before one
-    backward (or gradient accumulation) pairs every gradient with its own input; holding
-    the detached input costs no memory, autograd keeps it for the layer's backward anyway.
-    Same conditions as :class:`ActivationCapture`: training mode, autograd enabled and
-    ``enabled()`` True.
-
-    Args:
-        modules: Name → module to capture.
-        on_pair: Called as ``on_pair(name, module, input, grad_output)`` during backward.
-        enabled: Called once per forward to decide whether to capture it.
-    """
-
-    def __init__(
-        self,
-        modules: Mapping[str, nn.Module],
-        *,
-        on_pair: PairSink,
-        enabled: Callable[[], bool],
-    ) -> None:
-        self._on_pair = on_pair
-        self._enabled = enabled
-        self._handles = [
-            module.register_forward_hook(self._hook(name)) for name, module in modules.items()
-        ]
-
-    def _hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not _captures(module, args, self._enabled):
-                return
-            inputs = args[0].detach()
-            _on_output_grad(output, lambda grad: self._on_pair(name, module, inputs, grad))
-
-        return hook
-
-    def remove(self) -> None:
-        """Remove every hook this object installed."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()

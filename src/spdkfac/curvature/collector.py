@@ -1,0 +1,250 @@
+"""The factor collector: capture each block's statistics and fold them into global ones.
+
+On factor steps the hooks hand every captured call to its block, which returns its
+contributions per exchange slot; the collector accumulates them (example-weighted, with
+the loss-scaling corrections of output-gradient statistics), hands each symmetric slot to
+the factor exchange as soon as it is final for the step (so its all-reduce can start
+while the passes go on), and at the step reduces the rest. A group of one uses an
+exchange that completes at once, so there is one code path whatever the world size.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from spdkfac.comm import Communicator
+from spdkfac.comm.dense import reduce_dense
+from spdkfac.comm.fusion import FusionPlan, FusionPolicy
+from spdkfac.comm.pipeline import FactorPipeline, LocalFactorExchange
+from spdkfac.costmodel import AlphaBetaModel
+from spdkfac.curvature.block import Contribution, CurvatureBlock, Slot
+from spdkfac.curvature.capture import ActivationCapture
+from spdkfac.curvature.state import FactorAccumulator
+from spdkfac.linalg import is_finite
+from spdkfac.profiling import Phase, Profiler, span_name
+
+__all__ = ["FactorCollector"]
+
+
+def _no_autocast(tensor: Tensor) -> torch.autocast:
+    """Factors are statistics kept in at least float32: a user's autocast region around the
+    forward must not silently lower their precision (use ``factor_options`` for that)."""
+    return torch.autocast(device_type=tensor.device.type, enabled=False)
+
+
+class FactorCollector:
+    """Hooks, per-step accumulators and the factor exchange of a set of blocks.
+
+    Args:
+        blocks: The curvature blocks, in a fixed order (the same on every rank).
+        communicator: The group statistics are averaged over.
+        fusion: When symmetric slots are all-reduced (used with more than one rank).
+        enabled: Called once per forward: whether this step's passes are captured.
+        allreduce: All-reduce cost model a measured fusion policy plans with.
+        accumulation_steps: Passes per step; slots are exchanged after the last.
+        bucket_cap_bytes: Bucket cap of threshold-style fusion.
+        fusion_warmup_steps: Factor steps measured before a measured fusion plans.
+        comm_dtype: Dtype symmetric slots travel in (None: their own).
+        grad_scale: Returns the loss scale of a ``GradScaler`` (None without one).
+        profiler: Where spans are recorded.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[CurvatureBlock],
+        communicator: Communicator,
+        fusion: FusionPolicy,
+        *,
+        enabled: Callable[[], bool],
+        allreduce: AlphaBetaModel,
+        accumulation_steps: int = 1,
+        bucket_cap_bytes: int,
+        fusion_warmup_steps: int,
+        comm_dtype: torch.dtype | None = None,
+        grad_scale: Callable[[], float] | None = None,
+        profiler: Profiler,
+    ) -> None:
+        self._blocks = {block.name: block for block in blocks}
+        self._communicator = communicator
+        self._accumulation_steps = accumulation_steps
+        self._grad_scale = grad_scale
+        self._scale: float | None = None
+        self._profiler = profiler
+        self._warned_extra_pass = False
+        self.forward_order: list[str] = []
+        slots = [slot for block in blocks for slot in block.slots()]
+        self._slots = {slot.key: slot for slot in slots}
+        self._pending = {slot.key: FactorAccumulator() for slot in slots}
+        self._labels = {
+            (block.name, forward): "+".join(s.key for s in block.slots() if s.forward == forward)
+            for block in blocks
+            for forward in (True, False)
+        }
+        wide = any(block.dtype == torch.float64 for block in blocks)
+        self._dtype = torch.float64 if wide else torch.float32
+        self._dense = [(slot.key, slot.shape) for slot in slots if not slot.symmetric]
+        self._exchange = self._make_exchange(
+            [slot for slot in slots if slot.symmetric],
+            fusion,
+            allreduce=allreduce,
+            bucket_cap_bytes=bucket_cap_bytes,
+            warmup_steps=fusion_warmup_steps,
+            comm_dtype=comm_dtype,
+        )
+        self._capture = ActivationCapture(
+            {block.name: block.module for block in blocks},
+            on_input=self._on_input,
+            on_grad_output=self._on_grad_output,
+            enabled=enabled,
+        )
+
+    def _make_exchange(
+        self,
+        symmetric: Sequence[Slot],
+        fusion: FusionPolicy,
+        *,
+        allreduce: AlphaBetaModel,
+        bucket_cap_bytes: int,
+        warmup_steps: int,
+        comm_dtype: torch.dtype | None,
+    ) -> FactorPipeline | LocalFactorExchange:
+        if self._communicator.world_size == 1:
+            return LocalFactorExchange()
+        # Buckets launched from hooks get a group of their own, so they never interleave
+        # with DDP's gradient all-reduces on the default group.
+        group = self._communicator.duplicate() if fusion.eager else self._communicator
+        return FactorPipeline(
+            group,
+            [(slot.key, slot.shape[0]) for slot in symmetric if slot.forward],
+            [(slot.key, slot.shape[0]) for slot in reversed(symmetric) if not slot.forward],
+            fusion,
+            allreduce=allreduce,
+            bucket_cap_bytes=bucket_cap_bytes,
+            warmup_steps=warmup_steps,
+            dtype=self._dtype,
+            comm_dtype=comm_dtype,
+            profiler=self._profiler,
+        )
+
+    @property
+    def fusion_plan(self) -> FusionPlan | None:
+        """The factor buckets in use (None with a single rank: nothing is exchanged)."""
+        return self._exchange.plan
+
+    def request_replan(self) -> None:
+        """Re-plan a measured fusion after the next factor step (call on every rank)."""
+        self._exchange.request_replan()
+
+    # ------------------------------------------------------------------ hooks
+    def _on_input(self, name: str, module: nn.Module, inputs: Tensor) -> None:
+        if name not in self.forward_order:
+            self.forward_order.append(name)
+        label = self._labels[(name, True)]
+        if not label:
+            return
+        with self._profiler.span(span_name(Phase.FACTOR_COMPUTE, label)), _no_autocast(inputs):
+            self._add(self._blocks[name].capture_input(inputs), correction=1.0)
+
+    def _on_grad_output(self, name: str, module: nn.Module, inputs: Tensor, grad: Tensor) -> None:
+        label = self._labels[(name, False)]
+        with self._profiler.span(span_name(Phase.FACTOR_COMPUTE, label)), _no_autocast(grad):
+            self._add(self._blocks[name].capture_grad(inputs, grad), correction=self._correction())
+
+    def _correction(self) -> float:
+        """Factor correcting statistics that are products of two output gradients.
+
+        δ = B·g assumes the loss is this pass's mean; with the loss divided by the number
+        of passes, g is that much smaller and its square that much squared; a loss scale
+        multiplies g, so the square is divided by its square.
+        """
+        steps = self._accumulation_steps
+        correction = float(steps * steps)
+        if self._grad_scale is not None:
+            if self._scale is None:  # read once per step: it syncs on CUDA
+                self._scale = self._grad_scale()
+            correction /= self._scale * self._scale
+        return correction
+
+    def _add(self, contributions: dict[str, Contribution], *, correction: float) -> None:
+        for key, (statistic, weight) in contributions.items():
+            if correction != 1.0:
+                statistic.mul_(correction)
+            pending = self._pending[key]
+            pending.add(statistic, weight)
+            final = pending.calls >= self._accumulation_steps
+            if self._exchange.pipelined and self._slots[key].symmetric and final:
+                self._hand_over(key, pending)
+
+    def _hand_over(self, key: str, pending: FactorAccumulator) -> None:
+        """After the last accumulation pass, give the statistic to the exchange."""
+        mean = pending.mean()
+        if mean is None or self._exchange.hand_over(key, mean, float(pending.weight)):
+            return
+        if not self._warned_extra_pass:
+            self._warned_extra_pass = True
+            warnings.warn(
+                f"spdkfac: more forward/backward passes than accumulation_steps="
+                f"{self._accumulation_steps} before step(); the extra passes do "
+                "not update the factors",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+
+    # ------------------------------------------------------------------ the step
+    def new_step(self) -> None:
+        """Forget the loss scale read during the previous step."""
+        self._scale = None
+
+    def pending_finite(self) -> bool:
+        """Whether every statistic captured this step is finite."""
+        return all(is_finite(p.total) for p in self._pending.values() if p.total is not None)
+
+    def exchange(self, *, local_ok: bool) -> dict[str, Tensor | None] | None:
+        """This step's statistics averaged over all ranks (weighted by examples), by slot.
+
+        Collective: every rank calls it on every factor step, whatever it captured. Clears
+        the step's contributions.
+
+        Returns:
+            None when some rank flagged non-finite gradients or statistics (then nothing
+            may be absorbed anywhere).
+        """
+        local_ok = local_ok and self.pending_finite()
+        # Statistics from fewer passes than accumulation_steps were not handed over yet.
+        for key, pending in self._pending.items():
+            if self._slots[key].symmetric and not self._exchange.is_handed_over(key):
+                mean = pending.mean()
+                if mean is not None:
+                    self._exchange.hand_over(key, mean, float(pending.weight))
+        result = self._exchange.finish(local_ok=local_ok)
+        dense: dict[str, Tensor | None] = {}
+        if self._dense:
+            # Issued on every factor step after the factor exchange, whatever was captured.
+            with self._profiler.span(span_name(Phase.FACTOR_COMM, "dense")):
+                dense = reduce_dense(
+                    self._communicator,
+                    self._dense,
+                    {
+                        key: (self._pending[key].total, self._pending[key].weight)
+                        for key in self._slots
+                    },
+                    self._dtype,
+                )
+        self.clear()
+        if not result.usable or not all(is_finite(v) for v in dense.values() if v is not None):
+            return None
+        return {**result.factors, **dense}
+
+    def clear(self) -> None:
+        """Drop what was captured since the last factor update."""
+        for pending in self._pending.values():
+            pending.clear()
+
+    def remove(self) -> None:
+        """Remove every hook and drop what was captured."""
+        self._capture.remove()
+        self.clear()

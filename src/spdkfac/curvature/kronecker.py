@@ -1,0 +1,141 @@
+"""Kronecker-factored blocks: ``F ≈ A ⊗ G`` of a layer with a :class:`KFACLayer` adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor, nn
+
+from spdkfac.curvature.block import Contribution, ModuleBlock, Slot
+from spdkfac.curvature.state import running_average
+from spdkfac.layers import KFACLayer, precondition
+from spdkfac.placement import FactorSpec
+
+__all__ = ["KroneckerBlock"]
+
+
+class KroneckerBlock(ModuleBlock):
+    """A Linear or Conv2d layer's Kronecker factors A (inputs) and G (output gradients).
+
+    The factor math is the adapter's (pure functions of :mod:`spdkfac.layers`); the block
+    keeps the running averages and the damped inverses, and preconditions with
+    ``V = Ĝ ∇ Â``. Both factors travel as packed triangles: A from the forward pre-hook,
+    G from the output-gradient hook. Their inverses are placed by the strategy.
+
+    Args:
+        name: The module's name.
+        module: The module.
+        adapter: Its factor math.
+    """
+
+    section = "layers"
+
+    def __init__(self, name: str, module: nn.Module, adapter: KFACLayer) -> None:
+        self.name = name
+        self.module = module
+        self.adapter = adapter
+        self.a_factor: Tensor | None = None
+        self.g_factor: Tensor | None = None
+        self.a_inverse: Tensor | None = None
+        self.g_inverse: Tensor | None = None
+
+    @property
+    def a_dim(self) -> int:
+        """Side of the A factor."""
+        return self.adapter.a_dim(self.module)
+
+    @property
+    def g_dim(self) -> int:
+        """Side of the G factor."""
+        return self.adapter.g_dim(self.module)
+
+    @property
+    def _a_key(self) -> str:
+        return f"{self.name}/A"
+
+    @property
+    def _g_key(self) -> str:
+        return f"{self.name}/G"
+
+    def slots(self) -> tuple[Slot, ...]:
+        a, g = self.a_dim, self.g_dim
+        return (
+            Slot(self._a_key, (a, a), symmetric=True, forward=True),
+            Slot(self._g_key, (g, g), symmetric=True, forward=False),
+        )
+
+    def describe(self) -> str:
+        return f"{self.name}:{self.a_dim}x{self.g_dim}"
+
+    # ------------------------------------------------------------------ factor steps
+    def capture_input(self, inputs: Tensor) -> dict[str, Contribution]:
+        return {self._a_key: self.adapter.a_factor(self.module, inputs.to(self.dtype))}
+
+    def capture_grad(self, inputs: Tensor, grad_output: Tensor) -> dict[str, Contribution]:
+        return {self._g_key: self.adapter.g_factor(self.module, grad_output.to(self.dtype))}
+
+    def absorb(self, new: Mapping[str, Tensor | None], decay: float) -> None:
+        a_new, g_new = new.get(self._a_key), new.get(self._g_key)
+        # A layer seen in forward but not in backward (or vice versa) keeps both factors
+        # as they were, so A and G always describe the same examples.
+        if a_new is not None and g_new is not None:
+            self.a_factor = running_average(self.a_factor, a_new, decay)
+            self.g_factor = running_average(self.g_factor, g_new, decay)
+
+    # ------------------------------------------------------------------ inverses
+    def inverse_specs(self) -> tuple[FactorSpec, ...]:
+        return (
+            FactorSpec(self.name, "A", self.a_dim),
+            FactorSpec(self.name, "G", self.g_dim),
+        )
+
+    def placed_factors(self) -> dict[str, Tensor]:
+        if self.a_factor is None or self.g_factor is None:
+            return {}
+        return {self._a_key: self.a_factor, self._g_key: self.g_factor}
+
+    def previous_inverses(self) -> dict[str, Tensor | None]:
+        return {self._a_key: self.a_inverse, self._g_key: self.g_inverse}
+
+    def update_inverses(self, inverses: Mapping[str, Tensor], damping: float) -> None:
+        if self.a_factor is None or self.g_factor is None:
+            return
+        # A factor that failed with no previous inverse leaves the layer on its plain
+        # gradient until an inversion succeeds.
+        self.a_inverse = inverses.get(self._a_key)
+        self.g_inverse = inverses.get(self._g_key)
+
+    # ------------------------------------------------------------------ preconditioning
+    def gradient(self) -> Tensor | None:
+        return self.adapter.gradient(self.module)
+
+    def precondition(self, gradient: Tensor) -> Tensor:
+        if self.a_inverse is None or self.g_inverse is None:
+            return gradient
+        return precondition(gradient, self.a_inverse, self.g_inverse)
+
+    def set_gradient(self, matrix: Tensor) -> None:
+        self.adapter.set_gradient(self.module, matrix)
+
+    # ------------------------------------------------------------------ state
+    def factors(self) -> tuple[Tensor | None, Tensor | None]:
+        return self.a_factor, self.g_factor
+
+    def inverses(self) -> tuple[Tensor | None, Tensor | None]:
+        return self.a_inverse, self.g_inverse
+
+    def state(self) -> dict[str, Tensor | None]:
+        return {
+            "a_factor": self.a_factor,
+            "g_factor": self.g_factor,
+            "a_inverse": self.a_inverse,
+            "g_inverse": self.g_inverse,
+        }
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        a, g = (self.a_dim,) * 2, (self.g_dim,) * 2
+        return {"a_factor": a, "g_factor": g, "a_inverse": a, "g_inverse": g}
+
+    def restore(self, entry: Mapping[str, Tensor | None]) -> None:
+        self.a_factor, self.g_factor = entry["a_factor"], entry["g_factor"]
+        self.a_inverse, self.g_inverse = entry["a_inverse"], entry["g_inverse"]

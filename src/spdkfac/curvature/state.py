@@ -1,0 +1,143 @@
+"""Block state helpers: per-step accumulation, running averages, saving and restoring."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from spdkfac.curvature.block import CurvatureBlock
+
+__all__ = [
+    "FactorAccumulator",
+    "blocks_state_dict",
+    "load_blocks_state",
+    "running_average",
+]
+
+
+@dataclass
+class FactorAccumulator:
+    """Weighted mean of the contributions to one exchange slot captured during one step.
+
+    Several forward/backward calls before one ``step()`` (gradient accumulation, a layer
+    used twice) each add their statistic, weighted by the number of examples it averages.
+    """
+
+    total: Tensor | None = None
+    weight: int = 0
+    calls: int = 0
+
+    def add(self, factor: Tensor, weight: int) -> None:
+        """Add one call's statistic, which averages ``weight`` examples."""
+        if self.total is None:
+            self.total = factor if weight == 1 else factor.mul(weight)
+        else:
+            self.total.add_(factor, alpha=weight)
+        self.weight += weight
+        self.calls += 1
+
+    def mean(self) -> Tensor | None:
+        """The weighted mean of what was added, or None when nothing was."""
+        if self.total is None:
+            return None
+        return self.total if self.weight == 1 else self.total.div(self.weight)
+
+    def clear(self) -> None:
+        """Forget every contribution."""
+        self.total = None
+        self.weight = 0
+        self.calls = 0
+
+
+def running_average(current: Tensor | None, new: Tensor, decay: float) -> Tensor:
+    """``ξ·current + (1−ξ)·new``; the first update (``current is None``) sets the factor."""
+    if current is None:
+        return new.clone()
+    if decay == 1.0:
+        return current
+    return current.mul_(decay).add_(new, alpha=1.0 - decay)
+
+
+#: Sections of a preconditioner's state dict by block family, with the prefix their
+#: error messages use (the format predates the blocks and is kept for old checkpoints).
+_SECTIONS = {"layers": "", "batchnorm": "BatchNorm "}
+
+
+def blocks_state_dict(blocks: Sequence[CurvatureBlock], mode: str | None) -> dict[str, Any]:
+    """Copies of every block's tensors: ``{"layers": …}`` and, when normalization blocks
+    exist, ``{"batchnorm": {"mode": mode, "layers": …}}``."""
+    sections: dict[str, dict[str, dict[str, Tensor | None]]] = {"layers": {}}
+    for block in blocks:
+        sections.setdefault(block.section, {})[block.name] = {
+            key: None if value is None else value.detach().clone()
+            for key, value in block.state().items()
+        }
+    result: dict[str, Any] = {"layers": sections.pop("layers")}
+    if "batchnorm" in sections:
+        result["batchnorm"] = {"mode": mode, "layers": sections["batchnorm"]}
+    return result
+
+
+def _restored(
+    blocks: Sequence[CurvatureBlock], saved: Mapping[str, Any], prefix: str
+) -> list[tuple[CurvatureBlock, dict[str, Tensor | None]]]:
+    names = {block.name for block in blocks}
+    if set(saved) != names:
+        missing = sorted(names - set(saved))
+        extra = sorted(set(saved) - names)
+        raise ValueError(
+            f"state_dict {prefix}layers differ from the registered ones: missing {missing}, "
+            f"unexpected {extra}"
+        )
+    restored = []
+    for block in blocks:
+        entry: dict[str, Tensor | None] = {}
+        for key, shape in block.state_shapes().items():
+            value = saved[block.name][key]
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(
+                    f"state_dict {prefix}{key} of layer {block.name!r} has shape "
+                    f"{tuple(value.shape)}, expected {shape}"
+                )
+            entry[key] = None if value is None else value.to(block.device).clone()
+        restored.append((block, entry))
+    return restored
+
+
+def load_blocks_state(
+    blocks: Sequence[CurvatureBlock], state_dict: Mapping[str, Any], mode: str | None
+) -> None:
+    """Restore :func:`blocks_state_dict`'s output; validates everything before writing.
+
+    Raises:
+        ValueError: When the sections, the mode, the block names or a shape differ.
+    """
+    by_section: dict[str, list[CurvatureBlock]] = {section: [] for section in _SECTIONS}
+    for block in blocks:
+        by_section[block.section].append(block)
+    saved_batchnorm = state_dict.get("batchnorm")
+    if (saved_batchnorm is None) != (not by_section["batchnorm"]):
+        raise ValueError(
+            "state_dict and preconditioner disagree on BatchNorm curvature: saved "
+            f"{'none' if saved_batchnorm is None else saved_batchnorm.get('mode')!r}, "
+            f"batchnorm={mode!r} with {len(by_section['batchnorm'])} BatchNorm layers"
+        )
+    sections = {"layers": state_dict["layers"]}
+    if saved_batchnorm is not None:
+        if saved_batchnorm.get("mode") != mode:
+            raise ValueError(
+                f"state_dict BatchNorm curvature mode {saved_batchnorm.get('mode')!r} "
+                f"is not {mode!r}"
+            )
+        sections["batchnorm"] = saved_batchnorm.get("layers", {})
+    restored = [
+        pair
+        for section, prefix in _SECTIONS.items()
+        if section in sections
+        for pair in _restored(by_section[section], sections[section], prefix)
+    ]
+    for block, entry in restored:
+        block.restore(entry)

@@ -1,0 +1,156 @@
+"""One training step, shared by ``spdkfac train``, ``spdkfac demo`` and ``spdkfac bench``.
+
+:func:`train_step` is the body every loop runs per optimizer step: clear the gradients,
+forward and backward each micro-batch (all-reducing gradients once, on the last one),
+let K-FAC precondition them, and apply the update unless K-FAC skipped the step. What
+differs between the callers stays with them: the trainer's augmentation, fault injection,
+weight rescaling and LR schedule; the benchmark's timing marks (:class:`StepHooks`).
+:func:`evaluate_accuracy` scores a model on a test set, each rank its own shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from spdkfac.comm import Communicator
+from spdkfac.preconditioner import KFACPreconditioner
+
+__all__ = [
+    "LossPass",
+    "StepHooks",
+    "StepOutcome",
+    "cross_entropy_pass",
+    "evaluate_accuracy",
+    "train_step",
+]
+
+#: Runs the forward pass of one micro-batch and returns its (mean) loss.
+LossPass = Callable[[], Tensor]
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """Callbacks at the phase boundaries of :func:`train_step` (None: nothing).
+
+    Attributes:
+        before_forward: After the gradients are cleared, before the first forward pass.
+        before_update: After the last backward pass (gradients all-reduced), before the
+            K-FAC step and the optimizer step.
+    """
+
+    before_forward: Callable[[], None] | None = None
+    before_update: Callable[[], None] | None = None
+
+
+_NO_HOOKS = StepHooks()
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one :func:`train_step` did.
+
+    Attributes:
+        losses: Each micro-batch's loss, detached (read them only when needed: reading
+            a tensor's value waits for the device).
+        applied: Whether the optimizer stepped (False when K-FAC skipped the step).
+    """
+
+    losses: tuple[Tensor, ...]
+    applied: bool
+
+    @property
+    def mean_loss(self) -> float:
+        """The step's loss: the mean over its micro-batches, summed in order as floats."""
+        total = 0.0
+        for loss in self.losses:
+            total += float(loss) / len(self.losses)
+        return total
+
+
+def cross_entropy_pass(model: nn.Module, inputs: Tensor, targets: Tensor) -> LossPass:
+    """The plain classification pass: cross-entropy of ``model(inputs)`` on ``targets``."""
+    return lambda: F.cross_entropy(model(inputs), targets)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    preconditioner: KFACPreconditioner | None,
+    passes: Sequence[LossPass],
+    *,
+    hooks: StepHooks = _NO_HOOKS,
+) -> StepOutcome:
+    """One optimizer step over the micro-batches of ``passes`` (gradient accumulation).
+
+    Each pass's loss is backpropagated divided by the number of passes, so the gradient is
+    that of the mean loss. Under ``DistributedDataParallel`` every pass but the last runs in
+    ``no_sync()``: gradients are all-reduced once, on the last backward pass.
+
+    Args:
+        model: The model ``passes`` run (possibly wrapped in ``DistributedDataParallel``).
+        optimizer: Stepped after preconditioning, unless K-FAC skips the step.
+        preconditioner: K-FAC, or None for the plain optimizer.
+        passes: One callable per micro-batch, running its forward pass.
+        hooks: Callbacks at the phase boundaries, e.g. timing marks.
+
+    Returns:
+        The detached losses and whether the update was applied.
+
+    Raises:
+        ValueError: If ``passes`` is empty.
+    """
+    if not passes:
+        raise ValueError("passes must hold at least one micro-batch, got none")
+    optimizer.zero_grad(set_to_none=True)
+    if hooks.before_forward is not None:
+        hooks.before_forward()
+    ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+    losses = []
+    for index, loss_pass in enumerate(passes):
+        last = index == len(passes) - 1
+        with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+            loss = loss_pass()
+            # One pass backpropagates its loss as is (the same gradients as dividing by 1).
+            (loss if len(passes) == 1 else loss / len(passes)).backward()
+        losses.append(loss.detach())
+    if hooks.before_update is not None:
+        hooks.before_update()
+    applied = preconditioner.step() if preconditioner is not None else True
+    if applied:
+        optimizer.step()
+    return StepOutcome(tuple(losses), applied)
+
+
+def evaluate_accuracy(
+    model: nn.Module, images: Tensor, labels: Tensor, comm: Communicator
+) -> float:
+    """Top-1 accuracy on the whole test set, rank ``r`` scoring examples ``r, r + P, …``.
+
+    A collective (one all-reduce); ``model`` is left in training mode.
+
+    Args:
+        model: The model to score (possibly wrapped in ``DistributedDataParallel``).
+        images: Every test input, the same on each rank.
+        labels: Their class indices.
+        comm: This rank's communicator.
+
+    Returns:
+        The fraction of test examples whose highest logit is their label.
+    """
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.float64)
+    shard = torch.arange(comm.rank, len(labels), comm.world_size)
+    with torch.no_grad():
+        for start in range(0, len(shard), 1000):
+            part = shard[start : start + 1000]
+            counts[0] += int((model(images[part]).argmax(1) == labels[part]).sum())
+            counts[1] += len(part)
+    model.train()
+    comm.all_reduce_sum(counts).wait()
+    return float(counts[0] / counts[1])
