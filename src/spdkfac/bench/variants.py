@@ -122,11 +122,12 @@ def after_backward_baseline(name: str, names: Sequence[str]) -> str | None:
     if not variant.uses_kfac:
         return None
     for other in names:
-        candidate = VARIANTS[other]
+        candidate = VARIANTS[other].row
         if (
-            candidate.factor_exchange == "after-backward"
-            and candidate.strategy == variant.strategy
-            and candidate.placement == variant.placement
+            candidate.fusion is not None
+            and not candidate.fusion.eager
+            and candidate.base == variant.strategy
+            and candidate.placement_policy == variant.row.placement_policy
         ):
             return other
     return None
