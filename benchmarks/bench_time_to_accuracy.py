@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spdkfac.optional import optional_import, skip_notice
+
 COMMON = ["--dataset", "fashion-mnist", "--no-tensorboard", "--threads", "1"]
 SGD_FLAGS = "--optimizer sgd --lr 0.1 --nesterov --lr-schedule cosine --warmup-epochs 1"
 KFAC_FLAGS = (
@@ -63,13 +65,14 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    matplotlib = optional_import("matplotlib")
+    if matplotlib is None:
+        print(skip_notice("matplotlib", path.name))
+        return False
+    matplotlib.use("Agg")
+    plt = optional_import("matplotlib.pyplot")
+    if plt is None:
+        print(skip_notice("matplotlib.pyplot", path.name))
         return False
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     colours = {"sgd": "tab:blue", "spd-kfac": "tab:red"}

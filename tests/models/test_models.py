@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from spdkfac.models import MODEL_NAMES, CifarResNet, build_model, wide_resnet
+from spdkfac.models.imagenet import ImageNetResNet
 
 __all__: list[str] = []
 
@@ -163,10 +164,16 @@ def test_torchvision_fallback_uses_get_model(monkeypatch: pytest.MonkeyPatch) ->
     fake.list_models = lambda: ["resnet50"]  # type: ignore[attr-defined]
     fake.get_model = get_model  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torchvision.models", fake)
-    model = build_model("resnet50", num_classes=5, in_channels=3)
+    # torchvision is used only when asked for: the prefix (issue #22).
+    model = build_model("torchvision:resnet50", num_classes=5, in_channels=3)
     assert isinstance(model, nn.Linear)
     assert calls == [("resnet50", None, 5)]
     with pytest.raises(ValueError, match="in_channels=3"):
-        build_model("resnet50", in_channels=1)
+        build_model("torchvision:resnet50", in_channels=1)
     with pytest.raises(ValueError, match="unknown model name"):
         build_model("not_a_model", in_channels=3)
+    with pytest.raises(ValueError, match="unknown model name 'torchvision:vgg99'"):
+        build_model("torchvision:vgg99", in_channels=3)
+    # The built-in name still builds this project's ResNet-50 with torchvision installed.
+    assert isinstance(build_model("resnet50", num_classes=5, in_channels=3), ImageNetResNet)
+    assert calls == [("resnet50", None, 5)]

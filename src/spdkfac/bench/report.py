@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -14,6 +13,7 @@ from spdkfac.bench.results import (
     ratio_to,
 )
 from spdkfac.bench.variants import VARIANTS
+from spdkfac.optional import optional_import, skip_notice
 from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, Phase, write_chrome_trace
 
 __all__ = [
@@ -201,15 +201,17 @@ def format_report(
 def write_breakdown_png(
     results: BenchResults, path: str | Path, *, log: Callable[[str], None] = print
 ) -> bool:
-    """Stacked bars of the breakdown per variant (the paper's Fig. 9); False without
-    matplotlib (after a notice through ``log``)."""
-    try:
-        matplotlib = importlib.import_module("matplotlib")
-    except ImportError:
-        log("matplotlib is not installed: breakdown.png skipped (pip install matplotlib)")
+    """Stacked bars of the breakdown per variant (the paper's Fig. 9); False when matplotlib
+    is missing or fails to import (after one notice through ``log``)."""
+    matplotlib = optional_import("matplotlib")
+    if matplotlib is None:
+        log(skip_notice("matplotlib", Path(path).name))
         return False
     matplotlib.use("Agg")
-    pyplot = importlib.import_module("matplotlib.pyplot")
+    pyplot = optional_import("matplotlib.pyplot")
+    if pyplot is None:
+        log(skip_notice("matplotlib.pyplot", Path(path).name))
+        return False
     names = [v.name for v in results.variants]
     figure, axes = pyplot.subplots(figsize=(max(6.0, 1.1 * len(names) + 2.5), 4.8))
     bottoms = [0.0] * len(names)

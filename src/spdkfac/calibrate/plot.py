@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from spdkfac.costmodel import CalibrationFile, CalibrationSamples, ExponentialInverseModel
+from spdkfac.optional import optional_import, skip_notice
 
 __all__ = ["plot_calibration"]
 
@@ -23,7 +24,8 @@ def plot_calibration(
 
     Panels: inverse time vs dimension (with the paper's exponential for comparison),
     collective time vs bytes (when measured), factor time vs flops (when measured).
-    Needs matplotlib (the ``dev`` extra); without it, prints one line and returns False.
+    Needs matplotlib (the ``dev`` extra); when it is missing or fails to import, prints one
+    line and returns False.
 
     Args:
         calibration: The fitted models.
@@ -33,11 +35,11 @@ def plot_calibration(
     Returns:
         Whether the PNG was written.
     """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        print(f"matplotlib is not installed; not drawing {png_path} (pip install matplotlib)")
+    figure_module = optional_import("matplotlib.figure")
+    if figure_module is None:
+        print(skip_notice("matplotlib.figure", f"the plot {png_path}"))
         return False
+    Figure = figure_module.Figure
     data = samples or calibration.samples
     if data is None or not data.inverse:
         print(f"no measurements to draw; not writing {png_path}")

@@ -88,7 +88,10 @@ def add_parser(verbs: Any) -> None:
         "--model",
         type=_models,
         default=("resnet50",),
-        help=f"comma list of models ({', '.join(SIM_MODEL_NAMES)}); default resnet50",
+        help=(
+            f"comma list of models ({', '.join(SIM_MODEL_NAMES)}, or torchvision:NAME for a "
+            "torchvision.models model); default resnet50"
+        ),
     )
     add(
         "--batch-size",

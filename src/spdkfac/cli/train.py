@@ -21,7 +21,8 @@ __all__ = ["add_parser", "run"]
 _UNSET: Any = object()
 
 _HELP: dict[str, str] = {
-    "model": "model name (resnet20/32/56, cnn, mlp, wrn16-4, or a torchvision name)",
+    "model": "model name (resnet20/32/56, cnn, mlp, wrn16-4, resnet50/152, densenet121/201, "
+    "or torchvision:NAME for a torchvision.models model)",
     "dataset": f"dataset: {', '.join(DATASETS)}",
     "data": "dataset directory (Fashion-MNIST default: Debian's dataset-fashion-mnist)",
     "image_size": "image side for imagefolder datasets",

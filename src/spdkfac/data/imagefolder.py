@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from spdkfac.optional import require
+
 if TYPE_CHECKING:
     from types import ModuleType
 
@@ -52,7 +54,8 @@ def load_image_folder(
         ordered by class then file name, and the class names.
 
     Raises:
-        ImportError: If Pillow is not installed.
+        ImportError: If Pillow is missing or fails to import (an
+            :class:`~spdkfac.optional.OptionalPackageError` naming the package).
         FileNotFoundError: If ``root`` is not a directory.
         ValueError: If an argument is out of range, ``root`` has no class directory or no
             image, or an image cannot be decoded (the message names the file).
@@ -91,14 +94,7 @@ def load_image_folder(
 
 
 def _import_pillow() -> ModuleType:
-    try:
-        from PIL import Image
-    except ImportError as exc:
-        raise ImportError(
-            "load_image_folder needs Pillow to decode PNG/JPEG images; install it with "
-            "`pip install pillow` (it is in the `dev` extra)"
-        ) from exc
-    return Image
+    return require("PIL.Image", "load_image_folder (decoding PNG/JPEG images)")
 
 
 def _channel_stats(name: str, values: Sequence[float], *, positive: bool) -> torch.Tensor:

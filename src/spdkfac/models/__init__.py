@@ -1,14 +1,19 @@
-"""Model zoo: an MLP, a small CNN, CIFAR ResNets and a wide ResNet, built by name."""
+"""Model zoo: an MLP, a small CNN, CIFAR ResNets, a wide ResNet and ImageNet CNNs, by name.
+
+Built-in names always build this project's own models; torchvision's are used only when
+asked for with the ``torchvision:`` prefix.
+"""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from types import ModuleType
 
 from torch import nn
 
 from spdkfac.models.cnn import SmallCNN
+from spdkfac.models.densenet import densenet121, densenet201
+from spdkfac.models.imagenet import resnet50, resnet152
 from spdkfac.models.mlp import MLP
 from spdkfac.models.resnet import (
     BasicBlock,
@@ -18,10 +23,14 @@ from spdkfac.models.resnet import (
     resnet56,
     wide_resnet,
 )
+from spdkfac.optional import optional_import, require
 
 __all__ = [
+    "BUILTIN_MODEL_NAMES",
+    "IMAGENET_MODELS",
     "MLP",
     "MODEL_NAMES",
+    "TORCHVISION_PREFIX",
     "BasicBlock",
     "CifarResNet",
     "SmallCNN",
@@ -30,6 +39,7 @@ __all__ = [
     "resnet20",
     "resnet32",
     "resnet56",
+    "torchvision_builder",
     "wide_resnet",
 ]
 
@@ -57,7 +67,21 @@ _BUILDERS: dict[str, _Builder] = {
 }
 
 MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
-"""Names accepted by :func:`build_model` without torchvision."""
+"""Built-in small and CIFAR model names accepted by :func:`build_model`."""
+
+#: ImageNet-sized models written in this project (torchvision's layer layout and names).
+IMAGENET_MODELS: dict[str, Callable[..., nn.Module]] = {
+    "resnet50": resnet50,
+    "resnet152": resnet152,
+    "densenet121": densenet121,
+    "densenet201": densenet201,
+}
+
+#: Every name :func:`build_model` resolves to this project's own implementation.
+BUILTIN_MODEL_NAMES: tuple[str, ...] = (*MODEL_NAMES, *IMAGENET_MODELS)
+
+#: Prefix asking for a ``torchvision.models`` model explicitly (``"torchvision:resnet50"``).
+TORCHVISION_PREFIX = "torchvision:"
 
 
 def build_model(
@@ -65,9 +89,11 @@ def build_model(
 ) -> nn.Module:
     """Build a freshly initialized model by name.
 
-    Built-in names are those in :data:`MODEL_NAMES`. If torchvision is installed, any other
-    name it knows (e.g. ``"resnet50"``) is built with ``torchvision.models.get_model``
-    without pretrained weights; those models expect 3-channel input.
+    Built-in names (:data:`BUILTIN_MODEL_NAMES`: the CIFAR models and the ImageNet
+    ``resnet50``, ``resnet152``, ``densenet121``, ``densenet201``) always build this
+    project's own implementation, whether or not torchvision is installed.
+    ``"torchvision:<name>"`` builds ``torchvision.models.get_model(<name>)`` without
+    pretrained weights (3-channel input); it needs a working torchvision.
 
     Args:
         name: Model name, case-insensitive.
@@ -80,6 +106,8 @@ def build_model(
 
     Raises:
         ValueError: If the name is unknown or a size argument is not positive.
+        OptionalPackageError: A ``torchvision:`` name without a working torchvision (also a
+            ``ValueError``).
     """
     for arg_name, value in (
         ("num_classes", num_classes),
@@ -89,16 +117,23 @@ def build_model(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg_name} must be a positive int, got {value!r}")
     key = name.lower()
-    builder = _BUILDERS.get(key)
-    if builder is not None:
-        return builder(num_classes, in_channels, input_size)
-    model = _build_torchvision_model(key, num_classes=num_classes, in_channels=in_channels)
-    if model is None:
-        raise ValueError(
-            f"unknown model name {name!r}; valid names are {', '.join(MODEL_NAMES)}"
-            " (or any torchvision.models name when torchvision is installed)"
-        )
-    return model
+    if key.startswith(TORCHVISION_PREFIX):
+        builder = torchvision_builder(key[len(TORCHVISION_PREFIX) :])
+        if in_channels != 3:
+            raise ValueError(
+                f"torchvision model {name!r} expects in_channels=3, got in_channels={in_channels}"
+            )
+        return builder(num_classes=num_classes)
+    small = _BUILDERS.get(key)
+    if small is not None:
+        return small(num_classes, in_channels, input_size)
+    imagenet = IMAGENET_MODELS.get(key)
+    if imagenet is not None:
+        return imagenet(num_classes=num_classes, in_channels=in_channels)
+    raise ValueError(
+        f"unknown model name {name!r}; valid names are {', '.join(BUILTIN_MODEL_NAMES)}"
+        f" (or {TORCHVISION_PREFIX}<name> for a torchvision.models model)"
+    )
 
 
 def optional_torchvision_models() -> ModuleType | None:
@@ -108,21 +143,36 @@ def optional_torchvision_models() -> ModuleType | None:
     built for another torch (e.g. PyPI's beside the CPU torch wheel) raises
     ``RuntimeError`` while registering its operators.
     """
-    try:
-        return importlib.import_module("torchvision.models")
-    except Exception:  # a broken install is an absent one
-        return None
+    return optional_import("torchvision.models")
 
 
-def _build_torchvision_model(name: str, *, num_classes: int, in_channels: int) -> nn.Module | None:
-    tv_models = optional_torchvision_models()
-    if tv_models is None or name not in tv_models.list_models():
-        return None
-    if in_channels != 3:
+def torchvision_builder(name: str) -> Callable[..., nn.Module]:
+    """A builder of ``torchvision.models.get_model(name, weights=None, **kwargs)``.
+
+    Args:
+        name: A ``torchvision.models`` model name (without the ``torchvision:`` prefix).
+
+    Returns:
+        Takes ``get_model``'s keyword arguments (e.g. ``num_classes``), returns the model.
+
+    Raises:
+        OptionalPackageError: torchvision is missing or fails to import.
+        ValueError: torchvision has no model of that name.
+    """
+    tv_models = require("torchvision.models", f"model {TORCHVISION_PREFIX}{name}")
+    if name not in tv_models.list_models():
         raise ValueError(
-            f"torchvision model {name!r} expects in_channels=3, got in_channels={in_channels}"
+            f"unknown model name {TORCHVISION_PREFIX + name!r}: torchvision.models has no "
+            f"model {name!r}"
         )
-    model = tv_models.get_model(name, weights=None, num_classes=num_classes)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"torchvision.models.get_model({name!r}) returned {type(model).__name__}")
-    return model
+    get_model: Callable[..., object] = tv_models.get_model
+
+    def build(**kwargs: object) -> nn.Module:
+        model = get_model(name, weights=None, **kwargs)
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"torchvision.models.get_model({name!r}) returned {type(model).__name__}"
+            )
+        return model
+
+    return build

@@ -1,4 +1,4 @@
-"""Models the simulator knows by name: the built-in ones, ImageNet CNNs, torchvision's."""
+"""Models the simulator knows by name: built-in ones, ImageNet CNNs, torchvision's on request."""
 
 from __future__ import annotations
 
@@ -7,20 +7,17 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from spdkfac.models import MODEL_NAMES, build_model, optional_torchvision_models
-from spdkfac.models.densenet import densenet121, densenet201
-from spdkfac.models.imagenet import resnet50, resnet152
+from spdkfac.models import (
+    IMAGENET_MODELS,
+    MODEL_NAMES,
+    TORCHVISION_PREFIX,
+    build_model,
+    torchvision_builder,
+)
 from spdkfac.sim.workload import Workload, trace_workload
 
 __all__ = ["IMAGENET_MODELS", "SIM_MODEL_NAMES", "ModelEntry", "model_by_name", "workload_for"]
 
-#: ImageNet-sized models written in this project (3x224x224 inputs, 1000 classes).
-IMAGENET_MODELS: dict[str, Callable[..., nn.Module]] = {
-    "resnet50": resnet50,
-    "resnet152": resnet152,
-    "densenet121": densenet121,
-    "densenet201": densenet201,
-}
 SIM_MODEL_NAMES: tuple[str, ...] = (*MODEL_NAMES, *IMAGENET_MODELS)
 
 
@@ -41,28 +38,22 @@ class ModelEntry:
     source: str
 
 
-def _torchvision(name: str) -> Callable[..., nn.Module] | None:
-    models = optional_torchvision_models()
-    if models is None or name not in models.list_models():
-        return None
-    get_model: Callable[..., nn.Module] = models.get_model
-    return lambda **kwargs: get_model(name, weights=None, **kwargs)
-
-
 def model_by_name(
     name: str, *, input_size: int | None = None, num_classes: int | None = None
 ) -> ModelEntry:
     """Look a model up by name.
 
-    ImageNet models (``resnet50``, ``resnet152``, ``densenet121``, ``densenet201``) use
-    torchvision's implementation when it is installed and this project's otherwise (the
-    same layer shapes and names); defaults 224x224x3, 1000 classes. Built-in models
+    ImageNet models (``resnet50``, ``resnet152``, ``densenet121``, ``densenet201``) are
+    always this project's own (torchvision's layer shapes and names), whether or not
+    torchvision is installed; defaults 224x224x3, 1000 classes. Built-in models
     (:data:`spdkfac.models.MODEL_NAMES`) default to CIFAR shapes (32x32x3, 10 classes), as
-    ``spdkfac bench`` runs them. Any other torchvision model name works when it is
-    installed.
+    ``spdkfac bench`` runs them. ``torchvision:<name>`` asks for a ``torchvision.models``
+    model explicitly (ImageNet defaults); it needs a working torchvision.
 
     Raises:
         ValueError: An unknown name or a size < 1.
+        OptionalPackageError: A ``torchvision:`` name without a working torchvision (also a
+            ``ValueError``).
     """
     key = name.lower()
     for label, value in (("input_size", input_size), ("num_classes", num_classes)):
@@ -77,15 +68,16 @@ def model_by_name(
             "spdkfac",
         )
     size, classes = input_size or 224, num_classes or 1000
-    vision = _torchvision(key)
-    if vision is not None:
-        return ModelEntry(key, lambda: vision(num_classes=classes), (3, size, size), "torchvision")
     if key in IMAGENET_MODELS:
         builder = IMAGENET_MODELS[key]
         return ModelEntry(key, lambda: builder(num_classes=classes), (3, size, size), "spdkfac")
+    if key.startswith(TORCHVISION_PREFIX):
+        bare = key[len(TORCHVISION_PREFIX) :]
+        vision = torchvision_builder(bare)
+        return ModelEntry(bare, lambda: vision(num_classes=classes), (3, size, size), "torchvision")
     raise ValueError(
         f"unknown model {name!r}; choose from {', '.join(SIM_MODEL_NAMES)}"
-        " (or a torchvision.models name when torchvision is installed)"
+        f" (or {TORCHVISION_PREFIX}<name> for a torchvision.models model)"
     )
 
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from spdkfac.checks import check_choice, check_int, check_number
 from spdkfac.layers.batchnorm import BATCHNORM_MODES
+from spdkfac.optional import (
+    OptionalPackageError,
+    install_hint,
+    optional_import,
+    require,
+    unavailable_reason,
+)
 from spdkfac.strategies import ALGORITHMS
 
 __all__ = [
@@ -173,11 +179,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     try:
         if source.suffix in (".yaml", ".yml"):
             try:
-                import yaml  # type: ignore[import-untyped]
-            except ImportError:
-                raise ValueError(
-                    f"{source}: YAML configs need PyYAML (pip install pyyaml)"
-                ) from None
+                yaml = require("yaml", "a YAML config file")
+            except OptionalPackageError as error:
+                raise ValueError(f"{source}: {error}") from None
             loaded = yaml.safe_load(text) or {}
         else:
             loaded = _parse_toml(text)
@@ -193,12 +197,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 def _parse_toml(text: str) -> Any:
     # tomllib is in the standard library from Python 3.11; tomli is its 3.10 backport.
     for name in ("tomllib", "tomli"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        return module.loads(text)
-    raise ValueError("TOML configs on Python 3.10 need tomli (pip install tomli)")
+        module = optional_import(name)
+        if module is not None:
+            return module.loads(text)
+    raise ValueError(
+        f"TOML configs on Python 3.10 need tomli ({unavailable_reason('tomli')}): "
+        f"{install_hint('tomli')}"
+    )
 
 
 def _toml_value(value: Any) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spdkfac.jsonio import write_json
+from spdkfac.optional import optional_import, skip_notice
 
 __all__ = ["EpochMetrics", "TrainSummary", "format_summary", "open_tensorboard", "summarize",
            "write_outputs"]  # fmt: skip
@@ -95,10 +96,13 @@ def write_outputs(out: Path, summary: TrainSummary) -> None:
 
 
 def open_tensorboard(out: Path, log: Callable[[str], None]) -> Any:
-    """A TensorBoard ``SummaryWriter`` under ``out/tensorboard``, or None without the package."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        log("TensorBoard logging skipped: the tensorboard package is not installed")
+    """A TensorBoard ``SummaryWriter`` under ``out/tensorboard``, or None without the package.
+
+    A missing or broken tensorboard package turns logging off with one notice through
+    ``log``; the run goes on.
+    """
+    board = optional_import("torch.utils.tensorboard")
+    if board is None:
+        log(skip_notice("torch.utils.tensorboard", "TensorBoard logging"))
         return None
-    return SummaryWriter(log_dir=str(out / "tensorboard"))
+    return board.SummaryWriter(log_dir=str(out / "tensorboard"))
