@@ -30,15 +30,16 @@ __all__ = [
     "unavailable_reason",
 ]
 
-#: Optional packages: import name -> (distribution name, pip name, what it enables).
-OPTIONAL_PACKAGES: dict[str, tuple[str, str, str]] = {
-    "torchvision": ("torchvision", "torchvision", "`torchvision:<name>` models"),
-    "matplotlib": ("matplotlib", "matplotlib", "calibration and benchmark plots"),
-    "PIL": ("Pillow", "pillow", "ImageFolder datasets (PNG/JPEG decoding)"),
-    "tensorboard": ("tensorboard", "tensorboard", "TensorBoard logs of `spdkfac train`"),
-    "torch.utils.tensorboard": ("tensorboard", "tensorboard", "TensorBoard logs"),
-    "yaml": ("PyYAML", "pyyaml", "YAML config files"),
-    "tomli": ("tomli", "tomli", "TOML config files on Python 3.10"),
+#: Optional packages: import name -> (distribution name, pip name). What each enables is
+#: listed in the README ("Optional packages").
+OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
+    "torchvision": ("torchvision", "torchvision"),
+    "matplotlib": ("matplotlib", "matplotlib"),
+    "PIL": ("Pillow", "pillow"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "torch.utils.tensorboard": ("tensorboard", "tensorboard"),
+    "yaml": ("PyYAML", "pyyaml"),
+    "tomli": ("tomli", "tomli"),
 }
 
 _CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -62,7 +63,7 @@ def _package(name: str) -> tuple[str, str]:
     for end in range(len(parts), 0, -1):
         entry = OPTIONAL_PACKAGES.get(".".join(parts[:end]))
         if entry is not None:
-            return entry[0], entry[1]
+            return entry
     return parts[0], parts[0]
 
 

@@ -165,9 +165,13 @@ class KFACPreconditioner:
     @property
     def layers(self) -> list[str]:
         """Kronecker-factored module names in forward order (definition order until seen)."""
+        seen = self._seen_layers()
+        return seen + [name for name in self._section("layers") if name not in seen]
+
+    def _seen_layers(self) -> list[str]:
+        """Kronecker-factored module names captured so far, in forward order."""
         registered = self._section("layers")
-        seen = [name for name in self._collector.forward_order if name in registered]
-        return seen + [name for name in registered if name not in seen]
+        return [name for name in self._collector.forward_order if name in registered]
 
     @property
     def plan(self) -> Plan:
@@ -341,9 +345,7 @@ class KFACPreconditioner:
             "format": _STATE_FORMAT,
             "steps": self._step,
             "skipped_steps": self._skipped_steps,
-            "forward_order": [
-                name for name in self._collector.forward_order if name in self._section("layers")
-            ],
+            "forward_order": self._seen_layers(),
             **blocks_state_dict(self._blocks, self.config.batchnorm),
         }
 

@@ -74,12 +74,11 @@ class Strategy:
         self, *, factor_exchange: str | None = None, placement: str | None = None
     ) -> Strategy:
         """This row with its fusion and/or placement replaced (names of the registries)."""
-        changed = replace(
+        return replace(
             self,
             fusion=FUSION_POLICIES[factor_exchange] if factor_exchange else self.fusion,
             placement_policy=PLACEMENT_POLICIES[placement] if placement else self.placement_policy,
         )
-        return changed
 
 
 def compose(

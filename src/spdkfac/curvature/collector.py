@@ -230,7 +230,7 @@ class FactorCollector:
                     self._dense,
                     {
                         key: (self._pending[key].total, self._pending[key].weight)
-                        for key in self._slots
+                        for key, _ in self._dense
                     },
                     self._dtype,
                 )
