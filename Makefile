@@ -16,11 +16,12 @@ $(STAMP): pyproject.toml Makefile
 		|| { echo "spdkfac needs Python >= 3.10 (set PYTHON=...)"; exit 1; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]' $(TORCH_PIN)
 	@touch $@
 
 data:
 	@bash scripts/ensure_fashion_mnist.sh
+	@bash scripts/ensure_fortunes.sh
 
 demo: $(STAMP) data
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(DEMO_WORKERS) \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,11 +83,26 @@ def test_remove_leaves_the_model_as_it_was() -> None:
 def test_gradient_accumulation_averages_micro_batches() -> None:
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(4, 3))
-    precond = KFACPreconditioner(model, kl_clip=None)
+    full = copy.deepcopy(model)
+    precond = KFACPreconditioner(model, kl_clip=None, accumulation_steps=2)
+    reference = KFACPreconditioner(full, kl_clip=None)
     inputs = torch.randn(8, 4)
     for half in (inputs[:4], inputs[4:]):
         (model(half).pow(2).mean() / 2).backward()
     precond.step()
-    a_factor, _ = precond.factors("0")
+    full(inputs).pow(2).mean().backward()
+    reference.step()
+    a_factor, g_factor = precond.factors("0")
     augmented = torch.cat([inputs, torch.ones(8, 1)], dim=1)
     torch.testing.assert_close(a_factor, augmented.T @ augmented / 8)
+    # The usual recipe (loss / k per pass) gives the full batch's G, not k² times less.
+    torch.testing.assert_close(g_factor, reference.factors("0")[1])
+
+
+def test_forgotten_accumulation_steps_is_reported() -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    precond = KFACPreconditioner(model, kl_clip=None)
+    for _ in range(3):
+        (model(torch.randn(4, 4)).pow(2).mean() / 3).backward()
+    with pytest.warns(RuntimeWarning, match="set accumulation_steps=3"):
+        precond.step()

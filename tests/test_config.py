@@ -56,14 +56,18 @@ def test_model_without_supported_layer() -> None:
 
 def test_unsupported_layers_are_listed_once() -> None:
     model = nn.Sequential(
-        nn.Embedding(5, 3), nn.Linear(3, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4), nn.Linear(4, 2)
+        nn.EmbeddingBag(5, 3),
+        nn.Linear(3, 4),
+        nn.BatchNorm1d(4),
+        nn.BatchNorm1d(4),
+        nn.Linear(4, 2),
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        KFACPreconditioner(model)
+        KFACPreconditioner(model, lr=0.1)
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     assert len(messages) == 1
-    assert "BatchNorm1d (2)" in messages[0] and "Embedding (1)" in messages[0]
+    assert "BatchNorm1d (2)" in messages[0] and "EmbeddingBag (1)" in messages[0]
 
 
 def test_skip_layers_by_name_and_type() -> None:
@@ -72,7 +76,7 @@ def test_skip_layers_by_name_and_type() -> None:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert KFACPreconditioner(model, skip_layers=["1"]).layers == ["0"]
+        assert KFACPreconditioner(model, skip_layers=["1"]).layers == ["0", "2"]
         assert KFACPreconditioner(model, skip_layers=["1.0", nn.Conv1d]).layers == ["0", "1.1"]
     with pytest.raises(ValueError, match="'nope' matches no module"):
         KFACPreconditioner(model, skip_layers=["nope"])

@@ -13,8 +13,10 @@ from collections.abc import Sequence
 import torch
 
 from spdkfac.comm import Communicator
+from spdkfac.config import KFACConfig
 from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel, resolve_cost_model
-from spdkfac.curvature import CurvatureBlock
+from spdkfac.curvature import CurvatureBlock, discover_blocks
+from spdkfac.curvature.discovery import check_materialized
 
 __all__ = ["check_agreement", "shared_cost_model"]
 
@@ -80,3 +82,21 @@ def shared_cost_model(
     if shared[0]:
         raise error or ValueError(f"cost_model: rank 0 could not load {cost_model!r}")
     return CostModel.from_vector(shared[1:])
+
+
+def discover_agreed_blocks(
+    communicator: Communicator, model: torch.nn.Module, config: KFACConfig
+) -> list[CurvatureBlock]:
+    """This rank's curvature blocks, after every rank checked that all agree (a collective):
+    a discovery error on any rank is raised on every rank."""
+    try:
+        check_materialized(model)
+        blocks: list[CurvatureBlock] | None = discover_blocks(
+            model, config.skip_layers, config.block_settings
+        )
+        local_error: ValueError | None = None
+    except ValueError as error:
+        blocks, local_error = None, error
+    check_agreement(communicator, config.fingerprint(), blocks, local_error)
+    assert blocks is not None
+    return blocks

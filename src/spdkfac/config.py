@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, cast, get_args
@@ -11,6 +13,8 @@ import torch
 from torch import nn
 
 from spdkfac.checks import check_choice, check_int, check_number
+from spdkfac.costmodel import CostModel
+from spdkfac.curvature.discovery import BlockSettings
 from spdkfac.layers import FactorOptions
 from spdkfac.linalg import INVERSE_METHODS, InverseMethod
 from spdkfac.strategies import STRATEGIES, Strategy
@@ -22,10 +26,13 @@ from spdkfac.types import (
     PlacementName,
     SkipEntry,
     StrategyName,
+    WeightSharing,
 )
 
 __all__ = [
+    "MUTABLE_OPTIONS",
     "KFACConfig",
+    "check_runtime_arguments",
     "constructor_signature",
     "resolve_config",
     "resolve_float",
@@ -33,6 +40,17 @@ __all__ = [
 ]
 
 _COMM_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
+#: Options that may change during training (:meth:`KFACConfig.updated`).
+MUTABLE_OPTIONS = (
+    "damping",
+    "factor_decay",
+    "factor_update_steps",
+    "inv_update_steps",
+    "kl_clip",
+    "lr",
+    "batchnorm_damping_multiplier",
+    "max_inverse_failures",
+)
 
 
 def resolve_float(name: str, schedule: FloatSchedule, step: int, *, allow_zero: bool) -> float:
@@ -71,6 +89,11 @@ def _check_skip_layers(value: object) -> tuple[SkipEntry, ...]:
             raise ValueError(
                 f"skip_layers entries must be module names or nn.Module types, got {entry!r}"
             )
+        if isinstance(entry, str) and entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as error:
+                raise ValueError(f"skip_layers entry {entry!r} is not a regex: {error}") from None
     return cast(tuple[SkipEntry, ...], entries)
 
 
@@ -88,13 +111,17 @@ class KFACConfig:
     Attributes:
         damping: γ added to a copy of each factor's diagonal before inversion (float > 0
             or callable of the step).
-        factor_decay: ξ in ``F ← ξ·F + (1−ξ)·F_new``, in (0, 1].
+        factor_decay: ξ in ``F ← ξ·F + (1−ξ)·F_new``, in (0, 1] (float or callable).
         factor_update_steps: Interval between factor updates (int >= 1 or callable).
         inv_update_steps: Interval between inverse updates (int >= 1 or callable).
-        kl_clip: κ of the KL clip, or None to disable it.
-        lr: Learning rate η used by the KL clip (match the optimizer's; float or callable).
+        kl_clip: κ of the KL clip (float > 0 or callable), or None to disable it.
+        lr: Learning rate η used by the KL clip (float or callable). None (default): the
+            rate of each layer's parameter group in the ``optimizer`` given to the
+            preconditioner, read at every step; 0.1, with a warning, without one.
         inverse_method: ``"cholesky"`` or ``"eigen"``; both compute (F + γI)⁻¹.
-        skip_layers: Module names (a name also skips its children) or module types.
+        skip_layers: Module names (a name also skips its children), ``"re:<pattern>"``
+            (names the regular expression matches whole), class names (``"Embedding"``)
+            or module types.
         strategy: ``"spd-kfac"`` (default), ``"mpd-kfac"`` or ``"d-kfac"``: a row of
             :data:`spdkfac.strategies.STRATEGIES`.
         placement: Overrides the strategy's inverse placement (``"replicated"``,
@@ -112,19 +139,27 @@ class KFACConfig:
             loss is assumed divided by ``accumulation_steps``, as in the usual recipe.
         max_inverse_failures: Consecutive inverse updates with a failed inversion that are
             tolerated (the previous inverse is kept); one more raises on every rank.
-        batchnorm: Curvature for the scale and shift of BatchNorm layers (Osawa et al.
-            2019): ``"diagonal"`` (their approximation), ``"unit-wise"`` (each channel's
-            2×2 block over (γ_c, β_c)) or None (plain gradient, the default).
-        batchnorm_damping_multiplier: ρ_BN: BatchNorm blocks are damped with ρ_BN·γ
-            (Osawa et al. use ρ_BN > 1; their code's default is 16).
+        weight_sharing: How layers applied at many positions of each example (sequence
+            models, convolutions) are factored (Eschenhagen et al., NeurIPS 2023):
+            ``"expand"`` (default: every position is an example) or ``"reduce"`` (inputs
+            averaged and output gradients summed over positions first; factor cost
+            independent of the sequence length). Embeddings always expand.
+        normalization: Curvature for the scale and shift of every normalization layer
+            (BatchNorm, GroupNorm, LayerNorm, RMSNorm; Osawa et al. 2019 for BatchNorm):
+            ``"diagonal"``, ``"unit-wise"`` (each unit's 2×2 block over (γ, β)) or None
+            (plain gradient, the default).
+        batchnorm: The same for BatchNorm layers only (the older form of
+            ``normalization``, kept); when both are set they must agree.
+        batchnorm_damping_multiplier: ρ: normalization blocks (all kinds) are damped with
+            ρ·γ (Osawa et al. use ρ > 1 for BatchNorm; their code's default is 16).
     """
 
     damping: FloatSchedule = 0.003
-    factor_decay: float = 0.95
+    factor_decay: FloatSchedule = 0.95
     factor_update_steps: IntSchedule = 1
     inv_update_steps: IntSchedule = 1
-    kl_clip: float | None = 0.001
-    lr: FloatSchedule = 0.1
+    kl_clip: FloatSchedule | None = 0.001
+    lr: FloatSchedule | None = None
     inverse_method: InverseMethod = "cholesky"
     skip_layers: tuple[SkipEntry, ...] = field(default=())
     strategy: StrategyName = "spd-kfac"
@@ -136,20 +171,23 @@ class KFACConfig:
     factor_comm_dtype: torch.dtype | None = None
     accumulation_steps: int = 1
     max_inverse_failures: int = 3
+    weight_sharing: WeightSharing = "expand"
+    normalization: NormalizationMode | None = None
     batchnorm: NormalizationMode | None = None
     batchnorm_damping_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
         if not callable(self.damping):
             check_number("damping", self.damping)
-        if not callable(self.lr):
+        if self.lr is not None and not callable(self.lr):
             check_number("lr", self.lr, low_inclusive=True)
-        check_number("factor_decay", self.factor_decay, high=1.0)
+        if not callable(self.factor_decay):
+            check_number("factor_decay", self.factor_decay, high=1.0)
         for name in ("factor_update_steps", "inv_update_steps"):
             value = getattr(self, name)
             if not callable(value):
                 check_int(name, value)
-        if self.kl_clip is not None:
+        if self.kl_clip is not None and not callable(self.kl_clip):
             check_number("kl_clip", self.kl_clip)
         check_choice("inverse_method", self.inverse_method, INVERSE_METHODS)
         object.__setattr__(self, "skip_layers", _check_skip_layers(self.skip_layers))
@@ -165,8 +203,17 @@ class KFACConfig:
         check_choice("factor_comm_dtype", self.factor_comm_dtype, _COMM_DTYPES)
         if self.placement is not None:
             check_choice("placement", self.placement, get_args(PlacementName))
-        if self.batchnorm is not None:
-            check_choice("batchnorm", self.batchnorm, get_args(NormalizationMode))
+        check_choice("weight_sharing", self.weight_sharing, get_args(WeightSharing))
+        for name in ("normalization", "batchnorm"):
+            if getattr(self, name) is not None:
+                check_choice(name, getattr(self, name), get_args(NormalizationMode))
+        if None not in (self.normalization, self.batchnorm) and (
+            self.normalization != self.batchnorm
+        ):
+            raise ValueError(
+                f"normalization={self.normalization!r} and batchnorm={self.batchnorm!r} "
+                "disagree: set one of them"
+            )
         check_number("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
 
     @property
@@ -175,6 +222,38 @@ class KFACConfig:
         return STRATEGIES[self.strategy].with_overrides(
             factor_exchange=self.factor_exchange, placement=self.placement
         )
+
+    @property
+    def norm_mode(self) -> NormalizationMode | None:
+        """The normalization-curvature mode in effect (saved with the state)."""
+        return self.normalization if self.normalization is not None else self.batchnorm
+
+    @property
+    def block_settings(self) -> BlockSettings:
+        """What layer discovery needs from these options."""
+        return BlockSettings(
+            factor_options=self.factor_options,
+            weight_sharing=self.weight_sharing,
+            normalization=self.normalization,
+            batchnorm=self.batchnorm,
+            norm_damping_multiplier=self.batchnorm_damping_multiplier,
+            inverse_method=self.inverse_method,
+        )
+
+    def updated(self, options: Mapping[str, Any]) -> KFACConfig:
+        """These options with ``options`` changed; only :data:`MUTABLE_OPTIONS` may change.
+
+        Raises:
+            ValueError: An invalid value or an option that cannot change after construction.
+            TypeError: An unknown option.
+        """
+        fixed = sorted(set(options) & {f.name for f in fields(self)} - set(MUTABLE_OPTIONS))
+        if fixed:
+            raise ValueError(
+                f"options {fixed} cannot change after construction; the ones that can are "
+                f"{list(MUTABLE_OPTIONS)}"
+            )
+        return resolve_config(self, options)
 
     def fingerprint(self) -> str:
         """A text that is equal on two ranks iff their options are (callables by name)."""
@@ -193,8 +272,21 @@ class KFACConfig:
         return resolve_float("damping", self.damping, step, allow_zero=False)
 
     def lr_at(self, step: int) -> float:
-        """Learning rate η used by the KL clip at ``step``."""
-        return resolve_float("lr", self.lr, step, allow_zero=True)
+        """Learning rate η used by the KL clip at ``step`` (0.1 when unset)."""
+        return resolve_float("lr", 0.1 if self.lr is None else self.lr, step, allow_zero=True)
+
+    def factor_decay_at(self, step: int) -> float:
+        """ξ at ``step``, in (0, 1]."""
+        value = resolve_float("factor_decay", self.factor_decay, step, allow_zero=False)
+        if value > 1.0:
+            raise ValueError(f"factor_decay must be <= 1, got {value!r} at step {step}")
+        return value
+
+    def kl_clip_at(self, step: int) -> float | None:
+        """κ at ``step`` (None: no clip)."""
+        if self.kl_clip is None:
+            return None
+        return resolve_float("kl_clip", self.kl_clip, step, allow_zero=False)
 
     def is_factor_step(self, step: int) -> bool:
         """Whether factors are updated at ``step``."""
@@ -222,6 +314,28 @@ def resolve_config(config: KFACConfig | None, options: Mapping[str, Any]) -> KFA
             f"are {sorted(known)}"
         )
     return replace(config, **options) if config is not None else KFACConfig(**options)
+
+
+def check_runtime_arguments(
+    *, grad_scaler: object, optimizer: object, profile: object, cost_model: object
+) -> None:
+    """Validate the preconditioner's arguments that are not options.
+
+    Raises:
+        ValueError: A wrong type for ``grad_scaler``, ``optimizer`` or ``profile``.
+        TypeError: A ``cost_model`` that is neither a ``CostModel``, a path nor None.
+    """
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise ValueError(f"grad_scaler must be a torch.amp.GradScaler or None, got {grad_scaler!r}")
+    if not isinstance(profile, bool):
+        raise ValueError(f"profile must be a bool, got {profile!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {optimizer!r}")
+    if cost_model is not None and not isinstance(cost_model, (CostModel, str, os.PathLike)):
+        raise TypeError(
+            f"cost_model must be a CostModel, a path to a calibration JSON or None, "
+            f"got {cost_model!r}"
+        )
 
 
 def constructor_signature(init: Callable[..., None]) -> inspect.Signature:

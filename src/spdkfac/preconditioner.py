@@ -2,34 +2,46 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import fields
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from spdkfac.agreement import check_agreement, shared_cost_model
+from spdkfac.agreement import discover_agreed_blocks, shared_cost_model
 from spdkfac.comm import Communicator, make_communicator
 from spdkfac.comm.fusion import FusionPlan
-from spdkfac.config import KFACConfig, constructor_signature, resolve_config
+from spdkfac.config import (
+    KFACConfig,
+    check_runtime_arguments,
+    constructor_signature,
+    resolve_config,
+)
 from spdkfac.costmodel import CostModel
 from spdkfac.curvature import (
     CurvatureBlock,
     FactorCollector,
+    blocks_memory,
     blocks_state_dict,
-    discover_blocks,
     load_blocks_state,
     unwrap_model,
 )
 from spdkfac.inversion import InversePhase
 from spdkfac.placement import Plan
 from spdkfac.profiling import Phase, Profiler, span_name
+from spdkfac.update import (
+    GradientGuard,
+    LearningRates,
+    apply_preconditioned,
+    warn_uncaptured,
+)
 
 __all__ = ["KFACPreconditioner"]
 
 _STATE_FORMAT = 1
+_OPTIONS = frozenset(option.name for option in fields(KFACConfig))
 
 
 def _all_finite(tensors: Iterable[Tensor]) -> bool:
@@ -62,6 +74,9 @@ class KFACPreconditioner:
             the project's reference machine). Rank 0's is used on every rank.
         grad_scaler: The ``torch.amp.GradScaler`` scaling the loss, if any: output-gradient
             statistics are unscaled by it. Call ``scaler.unscale_(optimizer)`` first.
+        optimizer: The optimizer that applies the update: the KL clip then uses the
+            learning rate of each layer's parameter group at every step (schedulers
+            included) unless the ``lr`` option is given.
         profile: Record ``kfac/<phase>/<layer>`` spans in :attr:`profiler` (off: no cost).
         **options: The fields of :class:`~spdkfac.KFACConfig` (``damping``, ``lr``,
             ``strategy``, …), documented there once.
@@ -81,22 +96,15 @@ class KFACPreconditioner:
         process_group: Any = None,
         cost_model: CostModel | str | os.PathLike[str] | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         profile: bool = False,
         **options: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-            raise ValueError(
-                f"grad_scaler must be a torch.amp.GradScaler or None, got {grad_scaler!r}"
-            )
-        if not isinstance(profile, bool):
-            raise ValueError(f"profile must be a bool, got {profile!r}")
-        if cost_model is not None and not isinstance(cost_model, (CostModel, str, os.PathLike)):
-            raise TypeError(
-                f"cost_model must be a CostModel, a path to a calibration JSON or None, "
-                f"got {cost_model!r}"
-            )
+        check_runtime_arguments(
+            grad_scaler=grad_scaler, optimizer=optimizer, profile=profile, cost_model=cost_model
+        )
         self.config = resolve_config(config, options)
         self._communicator: Communicator = (
             process_group
@@ -110,7 +118,11 @@ class KFACPreconditioner:
             rank=self._communicator.rank,
             device=None if first is None else first.device,
         )
-        self._blocks = self._discover_and_agree()
+        self._blocks = discover_agreed_blocks(self._communicator, self._model, self.config)
+        self._rates = LearningRates(optimizer, self._blocks, self.config)
+        self._guard = GradientGuard([block.module for block in self._blocks])
+        self._warned_empty = False
+        self._stale_inverses = False  # a state dict without inverses was loaded
         self._step = 0
         self._skipped_steps = 0
         composition = self.config.composition
@@ -140,23 +152,6 @@ class KFACPreconditioner:
             grad_scale=None if grad_scaler is None else lambda: float(grad_scaler.get_scale()),
             profiler=self.profiler,
         )
-
-    def _discover_and_agree(self) -> list[CurvatureBlock]:
-        """This rank's blocks, after every rank checked that all agree (a collective)."""
-        try:
-            blocks: list[CurvatureBlock] | None = discover_blocks(
-                self._model,
-                self.config.skip_layers,
-                self.config.factor_options,
-                normalization=self.config.batchnorm,
-                normalization_damping_multiplier=self.config.batchnorm_damping_multiplier,
-            )
-            local_error: ValueError | None = None
-        except ValueError as error:
-            blocks, local_error = None, error
-        check_agreement(self._communicator, self.config.fingerprint(), blocks, local_error)
-        assert blocks is not None
-        return blocks
 
     # ------------------------------------------------------------------ introspection
     def _section(self, section: str) -> dict[str, CurvatureBlock]:
@@ -205,15 +200,17 @@ class KFACPreconditioner:
 
     @property
     def batchnorm_layers(self) -> list[str]:
-        """BatchNorm layers given curvature (empty unless the ``batchnorm`` option is set)."""
+        """Normalization layers given curvature (BatchNorm, GroupNorm, LayerNorm, RMSNorm;
+        empty unless ``normalization`` or ``batchnorm`` is set). The name predates the
+        other normalization layers."""
         return list(self._section("batchnorm"))
 
     def batchnorm_blocks(self, name: str) -> tuple[Tensor | None, Tensor | None]:
-        """A BatchNorm layer's running-average ``[C, 3]`` blocks ``(F_γγ, F_γβ, F_ββ)`` and
-        their damped inverses (None before the first update)."""
+        """A normalization layer's running-average ``[P, 3]`` blocks ``(F_γγ, F_γβ, F_ββ)``
+        and their damped inverses (None before the first update)."""
         block = self._section("batchnorm").get(name)
         if block is None:
-            raise KeyError(f"{name!r} is not a BatchNorm layer with curvature")
+            raise KeyError(f"{name!r} is not a normalization layer with curvature")
         return block.factors()[0], block.inverses()[0]
 
     @property
@@ -243,6 +240,11 @@ class KFACPreconditioner:
             ``optimizer.step()``. On factor-update steps the decision is agreed by all
             ranks; otherwise it is local (identical when gradients are all-reduced).
         """
+        if self._guard.unchanged():
+            raise RuntimeError(
+                "spdkfac: step() called again without a new backward pass: the gradients "
+                "are already preconditioned (call step() once per optimizer step)"
+            )
         with self.profiler.span(span_name(Phase.STEP)):
             step = self._step
             self._step += 1
@@ -253,19 +255,25 @@ class KFACPreconditioner:
                 usable = self._update_factors(local_ok=usable) and usable
             else:
                 usable = self._agree_on_usable(usable)
-            if self.config.is_inverse_step(step):
+            if self.config.is_inverse_step(step) or self._stale_inverses:
+                self._stale_inverses = False
                 self._inverses.run(self._blocks, self.config.damping_at(step))
             if not usable:
                 return self._skip()
-            preconditioned = self._precondition(gradients)
-            if not self._apply(gradients, preconditioned, step):
+            kl_clip = self.config.kl_clip_at(step)
+            rates = self._rates.at(self.config, step)
+            if not apply_preconditioned(self._blocks, gradients, rates, kl_clip, self.profiler):
                 return self._skip()
+            self._guard.record()
             return True
 
     def _gradients(self) -> dict[str, Tensor]:
-        """Every block's gradient matrix (blocks without a gradient are left out)."""
+        """Every block's gradient matrix in its statistics dtype (float32 for bf16/fp16
+        parameters); blocks without a gradient are left out."""
         return {
-            block.name: grad for block in self._blocks if (grad := block.gradient()) is not None
+            block.name: grad.to(block.dtype)
+            for block in self._blocks
+            if (grad := block.gradient()) is not None
         }
 
     def _update_factors(self, *, local_ok: bool) -> bool:
@@ -277,10 +285,13 @@ class KFACPreconditioner:
         new = self._collector.exchange(local_ok=local_ok)
         if new is None:
             return False
-        decay = self.config.factor_decay
+        decay = self.config.factor_decay_at(self._step - 1)
         with self.profiler.span(span_name(Phase.FACTOR_COMPUTE, "running_average")):
             for block in self._blocks:
                 block.absorb(new, decay)
+        if not self._warned_empty:
+            self._warned_empty = True
+            warn_uncaptured(self._blocks)
         return True
 
     def _agree_on_usable(self, usable: bool) -> bool:
@@ -291,63 +302,50 @@ class KFACPreconditioner:
             flag = torch.tensor([0.0 if usable else 1.0], device=self._communicator.device)
             return float(self._communicator.all_reduce_max(flag).wait()) == 0.0
 
-    def _precondition(self, gradients: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Each block's preconditioned gradient."""
-        preconditioned = {}
-        for block in self._blocks:
-            if block.name in gradients:
-                with self.profiler.span(span_name(Phase.PRECONDITION, block.name)):
-                    preconditioned[block.name] = block.precondition(gradients[block.name])
-        return preconditioned
-
-    def _apply(
-        self, gradients: Mapping[str, Tensor], preconditioned: Mapping[str, Tensor], step: int
-    ) -> bool:
-        """Scale by the KL clip and write back; False when the clip sum is not finite."""
-        with self.profiler.span(span_name(Phase.PRECONDITION, "kl_clip")):
-            scale = self._kl_clip_scale(gradients, preconditioned, step)
-            if scale is None:
-                return False
-            for block in self._blocks:
-                if block.name in preconditioned:
-                    matrix = preconditioned[block.name]
-                    block.set_gradient(matrix.mul_(scale) if scale != 1.0 else matrix)
-        return True
-
     def _skip(self) -> bool:
         self._skipped_steps += 1
         return False
 
-    def _kl_clip_scale(
-        self, gradients: Mapping[str, Tensor], preconditioned: Mapping[str, Tensor], step: int
-    ) -> float | None:
-        """ν = min(1, sqrt(κ / |η² Σ⟨V, ∇⟩|)); None when the sum is not finite."""
-        kl_clip = self.config.kl_clip
-        if kl_clip is None or not preconditioned:
-            return 1.0
-        lr = self.config.lr_at(step)
-        terms = [(preconditioned[name] * gradients[name]).sum() for name in preconditioned]
-        total = float(torch.stack(terms).sum()) * lr * lr
-        if not math.isfinite(total):
-            return None
-        if total == 0.0:
-            return 1.0
-        return min(1.0, math.sqrt(kl_clip / abs(total)))
+    # ------------------------------------------------------------------ options
+    def update_config(self, **options: Any) -> None:
+        """Change hyperparameters from the next step on (``damping``, ``factor_decay``,
+        ``factor_update_steps``, ``inv_update_steps``, ``kl_clip``, ``lr``,
+        ``batchnorm_damping_multiplier``, ``max_inverse_failures``); validated like the
+        constructor's. Call it on every rank with the same values.
+
+        Raises:
+            ValueError: An invalid value, or an option that cannot change after
+                construction (build a new preconditioner for those).
+        """
+        self.config = self.config.updated(options)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OPTIONS:
+            raise AttributeError(
+                f"{name!r} is an option of the preconditioner's frozen config: use "
+                f"precond.update_config({name}=...) (or a callable of the step)"
+            )
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, inverses: bool = True) -> dict[str, Any]:
         """Factors, inverses and counters, as a dict of copies (safe to ``torch.save``).
 
         Factors and inverses are the same on every rank, so any rank's state dict can
-        resume any world size.
+        resume any world size. ``inverses=False`` leaves the inverses out (about half the
+        size): loading it recomputes them, with the current damping, at the next step.
         """
         return {
             "format": _STATE_FORMAT,
             "steps": self._step,
             "skipped_steps": self._skipped_steps,
             "forward_order": self._seen_layers(),
-            **blocks_state_dict(self._blocks, self.config.batchnorm),
+            **blocks_state_dict(self._blocks, self.config.norm_mode, inverses=inverses),
         }
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of the factors and of the inverses this rank holds (live tensors)."""
+        return blocks_memory(self._blocks)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned; the layers must match exactly.
@@ -359,7 +357,7 @@ class KFACPreconditioner:
             raise ValueError(
                 f"state_dict format {state_dict.get('format')!r} is not {_STATE_FORMAT}"
             )
-        load_blocks_state(self._blocks, state_dict, self.config.batchnorm)
+        self._stale_inverses = load_blocks_state(self._blocks, state_dict, self.config.norm_mode)
         self._collector.clear()
         self._step = int(state_dict["steps"])
         self._skipped_steps = int(state_dict.get("skipped_steps", 0))

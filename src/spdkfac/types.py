@@ -16,6 +16,7 @@ __all__ = [
     "PlacementName",
     "SkipEntry",
     "StrategyName",
+    "WeightSharing",
 ]
 
 #: Which Kronecker factor of a layer: ``A`` (inputs) or ``G`` (output gradients).
@@ -36,3 +37,8 @@ FactorExchangeName = Literal["after-backward", "layerwise", "threshold", "optima
 PlacementName = Literal["replicated", "round-robin", "balanced"]
 #: Curvature of normalization layers' scale and shift (Osawa et al. 2019).
 NormalizationMode = Literal["diagonal", "unit-wise"]
+#: How a layer applied at many positions of each example (a sequence, an image) is
+#: factored (Eschenhagen et al., NeurIPS 2023, Sec. 3): ``"expand"`` treats every position
+#: as an example, ``"reduce"`` sums the output gradients and averages the inputs over the
+#: positions first.
+WeightSharing = Literal["expand", "reduce"]

@@ -103,9 +103,7 @@ def test_conv2d_string_padding_and_padding_modes(
     torch.testing.assert_close(g_factor, g_ref, rtol=1e-10, atol=1e-12)
 
 
-def test_grouped_conv_is_not_registered() -> None:
-    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.LazyLinear(2))
-    model(torch.randn(1, 4, 5, 5))
-    with pytest.warns(UserWarning, match="Conv2d"):
-        precond = KFACPreconditioner(model)
-    assert precond.layers == ["2"]
+def test_grouped_conv_is_registered() -> None:
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(36, 2))
+    precond = KFACPreconditioner(model)
+    assert precond.layers == ["0", "2"]

@@ -106,7 +106,10 @@ INVALID: list[tuple[str, object, str | None]] = [
     ("max_inverse_failures", 1.5, None),
     ("grad_scaler", 1.0, None),
     ("profile", "yes", None),
+    ("optimizer", "sgd", None),
     ("batchnorm", "full", None),
+    ("normalization", "full", None),
+    ("weight_sharing", "shared", None),
     ("batchnorm_damping_multiplier", 0.0, None),
     ("config", {"damping": 0.1}, None),
 ]

@@ -24,12 +24,17 @@ def test_json_is_keyed_by_strategy(capsys: pytest.CaptureFixture[str], tmp_path:
     assert code == 0
     document = json.loads(capsys.readouterr().out)
     assert list(document) == ["d-kfac", "mpd-kfac", "spd-kfac", "placement-only", "pipelining-only"]
-    for entry in document.values():
-        assert entry["iteration_s"] > 0
-        assert set(entry["breakdown"]) == set(BREAKDOWN_CATEGORIES)
-        assert sum(entry["breakdown"].values()) == pytest.approx(entry["iteration_s"], rel=1e-9)
-        assert [run["workers"] for run in entry["runs"]] == [2, 4]
-        assert entry["model"] == "resnet20" and entry["batch_size"] == 8
+    for value in document.values():
+        assert list(value) == ["runs"]  # no run's fields at the strategy's top level
+        assert [run["workers"] for run in value["runs"]] == [2, 4]
+        for entry in value["runs"]:
+            assert entry["iteration_s"] > 0
+            assert set(entry["breakdown"]) == set(BREAKDOWN_CATEGORIES)
+            total = sum(entry["breakdown"].values())
+            assert total == pytest.approx(entry["iteration_s"], rel=1e-9)
+            assert entry["model"] == "resnet20" and entry["batch_size"] == 8
+        # Each run its own numbers: 2 and 4 workers differ.
+        assert value["runs"][0]["iteration_s"] != value["runs"][1]["iteration_s"]
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["name"] for e in events if e.get("ph") == "X"}
     assert {"kfac/forward_backward/all", "kfac/factor_comm/wait", "kfac/iteration/all"} <= names
@@ -50,7 +55,7 @@ def test_runtime_knobs_change_the_result(capsys: pytest.CaptureFixture[str]) -> 
     times = []
     for extra in ([], ["--overlap", "0"], ["--single-queue"]):
         assert main([*base, *extra]) == 0
-        times.append(json.loads(capsys.readouterr().out)["spd-kfac"]["iteration_s"])
+        times.append(json.loads(capsys.readouterr().out)["spd-kfac"]["runs"][0]["iteration_s"])
     assert times[1] > times[0] and times[2] >= times[0]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from spdkfac.bench.results import (
@@ -17,9 +18,11 @@ from spdkfac.optional import optional_import, skip_notice
 from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, Phase, write_chrome_trace
 
 __all__ = [
+    "BenchOutputs",
     "format_report",
     "last_iterations",
     "trace_filename",
+    "write_bench_outputs",
     "write_breakdown_png",
     "write_outputs",
     "write_traces",
@@ -260,16 +263,29 @@ def write_traces(
     return written
 
 
-def write_outputs(
+@dataclass(frozen=True)
+class BenchOutputs:
+    """What :func:`write_bench_outputs` wrote: ``report.md`` and, beside it, ``others``
+    (names relative to its directory; ``breakdown.png`` only when it was drawn)."""
+
+    report: Path
+    others: tuple[str, ...]
+
+    def describe(self) -> str:
+        """``wrote DIR/report.md (and results.json, traces/)``: only what is there."""
+        return f"wrote {self.report} (and {', '.join(self.others)})"
+
+
+def write_bench_outputs(
     results: BenchResults,
     events: Mapping[str, Sequence[Event]],
     out_dir: str | Path,
     *,
     trace_iterations: int,
     log: Callable[[str], None] = print,
-) -> Path:
-    """Write ``results.json``, ``breakdown.png``, ``traces/`` and ``report.md``; returns the
-    report's path."""
+) -> BenchOutputs:
+    """Write ``results.json``, ``breakdown.png`` (when matplotlib works), ``traces/`` and
+    ``report.md``; says which were written."""
     directory = Path(out_dir)
     directory.mkdir(parents=True, exist_ok=True)
     results.save(directory / "results.json")
@@ -281,4 +297,19 @@ def write_outputs(
     write_traces(events, directory / "traces", iterations=trace_iterations)
     report = directory / "report.md"
     report.write_text(format_report(results, png=png, traces="traces") + "\n")
-    return report
+    others = ("results.json", *((png,) if png else ()), "traces/")
+    return BenchOutputs(report, others)
+
+
+def write_outputs(
+    results: BenchResults,
+    events: Mapping[str, Sequence[Event]],
+    out_dir: str | Path,
+    *,
+    trace_iterations: int,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """:func:`write_bench_outputs`, returning the report's path."""
+    return write_bench_outputs(
+        results, events, out_dir, trace_iterations=trace_iterations, log=log
+    ).report

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +21,7 @@ from spdkfac.bench.costs import (
     fit_live_cost_model,
     unpack_seconds,
 )
-from spdkfac.bench.report import write_outputs
+from spdkfac.bench.report import write_bench_outputs
 from spdkfac.bench.results import BenchResults, VariantResult
 from spdkfac.bench.variants import VARIANTS
 from spdkfac.comm import (
@@ -33,7 +34,8 @@ from spdkfac.comm import (
     timed_allreduce_hook,
 )
 from spdkfac.costmodel import CostModel, resolve_cost_model
-from spdkfac.models import build_model
+from spdkfac.data.text import VOCAB_SIZE
+from spdkfac.models import ModelKind, build_model, model_kind
 from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.profiling import Event, Phase, Profiler, breakdown, span_name
 from spdkfac.training.loop import StepHooks, cross_entropy_pass, train_step
@@ -82,6 +84,54 @@ class BenchOptions:
         return self.fusion_warmup_steps or max(1, self.warmup)
 
 
+@dataclass(frozen=True)
+class _Workload:
+    """How a kind of model is built and fed synthetic data in the benchmark."""
+
+    model_args: Callable[[BenchOptions], dict[str, Any]]
+    batch: Callable[[BenchOptions, torch.Generator], tuple[Tensor, Tensor]]
+    describe: Callable[[BenchOptions], str]
+
+
+def _random_tokens(options: BenchOptions, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    shape = (options.batch_size, options.input_size)
+    inputs = torch.randint(0, VOCAB_SIZE, shape, generator=generator)
+    targets = torch.randint(0, VOCAB_SIZE, shape, generator=generator)
+    return inputs, targets
+
+
+def _random_images(options: BenchOptions, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    shape = (options.batch_size, options.in_channels, options.input_size, options.input_size)
+    inputs = torch.randn(*shape, generator=generator)
+    targets = torch.randint(0, options.num_classes, (options.batch_size,), generator=generator)
+    return inputs, targets
+
+
+#: Image models read random images with random labels; text models (``--input-size`` is
+#: the sequence length) random byte ids with random next-byte targets.
+_WORKLOADS: dict[ModelKind, _Workload] = {
+    "image": _Workload(
+        lambda o: {"num_classes": o.num_classes, "in_channels": o.in_channels,
+                   "input_size": o.input_size},
+        _random_images,
+        lambda o: f"{o.in_channels}x{o.input_size}x{o.input_size} synthetic",
+    ),
+    "text": _Workload(
+        lambda o: {"vocab_size": VOCAB_SIZE, "block_size": o.input_size},
+        _random_tokens,
+        lambda o: f"{o.input_size} random token ids (vocabulary {VOCAB_SIZE}) per example",
+    ),
+}  # fmt: skip
+
+
+def _workload(options: BenchOptions) -> _Workload:
+    return _WORKLOADS[model_kind(options.model)]
+
+
+def _build(options: BenchOptions) -> nn.Module:
+    return build_model(options.model, **_workload(options).model_args(options))
+
+
 class _VariantRun:
     """One variant's model copy, optimizer, preconditioner, profiler and timings."""
 
@@ -91,12 +141,7 @@ class _VariantRun:
         self.name = name
         self.warmup = options.warmup
         torch.manual_seed(options.seed)  # the same initial weights for every variant
-        model: nn.Module = build_model(
-            options.model,
-            num_classes=options.num_classes,
-            in_channels=options.in_channels,
-            input_size=options.input_size,
-        )
+        model = _build(options)
         self.launches = BucketLaunches()
         if comm.world_size > 1:
             ddp = nn.parallel.DistributedDataParallel(model)
@@ -115,7 +160,7 @@ class _VariantRun:
                 factor_update_steps=options.factor_update_steps,
                 inv_update_steps=options.inv_update_steps,
                 fusion_warmup_steps=options.planning_steps,
-                lr=options.lr,
+                optimizer=self.optimizer,  # the KL clip reads its (constant) lr
                 damping=options.damping,
                 cost_model=costs,
                 profile=True,
@@ -199,7 +244,7 @@ def _settings(options: BenchOptions) -> dict[str, str]:
             f"{options.factor_update_steps}/{options.inv_update_steps}"
         ),
         "optimal fusion planned after": f"{options.planning_steps} factor steps",
-        "input": f"{options.in_channels}x{options.input_size}x{options.input_size} synthetic",
+        "input": _workload(options).describe(options),
         "SGD": f"lr {options.lr}, momentum 0.9; K-FAC damping {options.damping}",
     }
 
@@ -221,9 +266,7 @@ def _train(
     runs: list[_VariantRun], options: BenchOptions, rank: int, progress: Progress | None
 ) -> None:
     generator = torch.Generator().manual_seed(1000 * options.seed + rank)
-    shape = (options.batch_size, options.in_channels, options.input_size, options.input_size)
-    inputs = torch.randn(*shape, generator=generator)
-    targets = torch.randint(0, options.num_classes, (options.batch_size,), generator=generator)
+    inputs, targets = _workload(options).batch(options, generator)
     total, done = options.iters * len(runs), 0
     while any(len(run.times) < options.iters for run in runs):
         for run in runs:
@@ -243,12 +286,7 @@ def run_worker(options: BenchOptions, progress: Progress | None = None) -> int:
     torch.set_num_threads(options.threads)
     comm = init_distributed("gloo", timeout=timedelta(seconds=options.timeout))
     try:
-        probe = build_model(
-            options.model,
-            num_classes=options.num_classes,
-            in_channels=options.in_channels,
-            input_size=options.input_size,
-        )
+        probe = _build(options)
         costs, cost_info = _resolve_costs(options, comm, probe)
         unpack = unpack_seconds(probe)
         runs = [_VariantRun(name, options, comm, costs) for name in options.variants]
@@ -274,14 +312,14 @@ def run_worker(options: BenchOptions, progress: Progress | None = None) -> int:
                 cost_model=cost_info,
                 factor_unpack=unpack,
             )
-            report = write_outputs(
+            outputs = write_bench_outputs(
                 results,
                 traces,
                 options.out_dir,
                 trace_iterations=options.trace_iters,
                 log=lambda line: print(line, file=sys.stderr),
             )
-            print(f"wrote {report} (and results.json, breakdown.png, traces/)", flush=True)
+            print(outputs.describe(), flush=True)
         barrier(comm)
     finally:
         destroy_distributed()

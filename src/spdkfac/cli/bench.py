@@ -14,7 +14,7 @@ from spdkfac.bench.netns import available, check_rate
 from spdkfac.bench.runner import BenchOptions, run_worker
 from spdkfac.bench.variants import PRESETS, VARIANTS, parse_variants
 from spdkfac.cli.arguments import non_negative_int, positive_float, positive_int
-from spdkfac.models import MODEL_NAMES
+from spdkfac.models import MODEL_NAMES, TEXT_MODELS
 from spdkfac.training.progress import ProgressBar
 
 __all__ = ["add_parser", "run"]
@@ -57,7 +57,12 @@ def add_parser(verbs: Any) -> None:
         ),
     )
     add = parser.add_argument
-    add("--model", choices=MODEL_NAMES, default="resnet32", help="built-in model")
+    add(
+        "--model",
+        choices=(*MODEL_NAMES, *TEXT_MODELS),
+        default="resnet32",
+        help="built-in model (gpt: a language model on random token ids)",
+    )
     add(
         "--variants",
         type=_variants,
@@ -79,7 +84,12 @@ def add_parser(verbs: Any) -> None:
     )
     add("--lr", type=positive_float, default=0.01, help="SGD learning rate")
     add("--damping", type=positive_float, default=0.003, help="K-FAC damping")
-    add("--input-size", type=positive_int, default=32, help="height and width of the input")
+    add(
+        "--input-size",
+        type=positive_int,
+        default=32,
+        help="height and width of the input (gpt: sequence length)",
+    )
     add("--in-channels", type=positive_int, default=3, help="channels of the input")
     add("--seed", type=int, default=0, help="random seed (weights and data)")
     add("--cost-model", default=None, help="calibration JSON (default: fit on the live link)")

@@ -123,7 +123,7 @@ def _train(
     precond = (
         KFACPreconditioner(
             model,
-            lr=lr,
+            optimizer=optimizer,  # the KL clip reads the optimizer's (constant) lr
             damping=args.damping,
             kl_clip=args.kl_clip,
             factor_update_steps=args.factor_update_steps,

@@ -5,22 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from spdkfac.cli.arguments import positive_int
 from spdkfac.sim import (
     DEFAULT_STRATEGIES,
+    MAX_RANK_PROGRAMS,
+    MAX_WORKERS,
     PRESETS,
     SIM_MODEL_NAMES,
     STRATEGY_TABLE,
+    Hardware,
     MeasuredCompute,
     ProfiledCompute,
     SimulationRun,
+    Workload,
     markdown_report,
     model_by_name,
     parse_strategies,
+    rank_programs,
     resolve_hardware,
     results_to_json,
     simulate_strategy,
@@ -30,6 +36,8 @@ from spdkfac.sim import (
 from spdkfac.sim.paper import PAPER_TABLE_III
 
 __all__ = ["add_parser", "run"]
+
+_Loaded = TypeVar("_Loaded")
 
 
 def _strategies(text: str) -> tuple[str, ...]:
@@ -44,6 +52,10 @@ def _workers(text: str) -> tuple[int, ...]:
     for part in (piece.strip() for piece in text.split(",")):
         if part:
             values.append(positive_int(part))
+    if any(value > MAX_WORKERS for value in values):
+        raise argparse.ArgumentTypeError(
+            f"at most {MAX_WORKERS} workers, got {max(values)} (the simulator's bound)"
+        )
     if not values:
         raise argparse.ArgumentTypeError(f"expected a comma list of worker counts, got {text!r}")
     return tuple(dict.fromkeys(values))
@@ -102,7 +114,14 @@ def add_parser(verbs: Any) -> None:
     )
     add("--input-size", type=positive_int, default=None, help="image side (default per model)")
     add("--workers", type=_workers, default=(64,), help="comma list of world sizes (default 64)")
-    add("--preset", choices=tuple(PRESETS), default="paper", help="hardware preset")
+    add(
+        "--preset",
+        choices=tuple(PRESETS),
+        default="paper",
+        help="hardware: cpu (this machine), paper (the SPD-KFAC paper's cluster: its α-β "
+        "at 64 GPUs, a ring across 4-GPU nodes elsewhere), or the paper's GPUs on "
+        "paper-nccl, ib100, ib200, ib400, eth10 (8-GPU nodes; see docs/cli.md)",
+    )
     add(
         "--cost-model",
         default=None,
@@ -150,52 +169,100 @@ def add_parser(verbs: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the ``simulate`` verb; returns the exit code."""
+class _VerbError(Exception):
+    """Stops the verb with one line on stderr and an exit code (2: unusable arguments)."""
+
+    def __init__(self, message: object, code: int = 1) -> None:
+        super().__init__(str(message))
+        self.code = code
+
+
+def _input_file(path: str, flag: str, load: Callable[[str], _Loaded]) -> _Loaded:
+    """``load(path)``, refusing a path that is not a regular file (exit 2) or a file that
+    is not what ``flag`` takes (exit 1). A missing file is left to the caller's handler."""
+    if Path(path).exists() and not Path(path).is_file():
+        raise _VerbError(f"{flag} {path}: not a file (a directory?); give the JSON file", 2)
+    try:
+        return load(path)
+    except (IsADirectoryError, PermissionError, ValueError) as error:
+        raise _VerbError(error) from None
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
     try:
         hardware = resolve_hardware(args.preset, args.cost_model)
     except ValueError as error:
-        print(f"spdkfac simulate: error: {error}", file=sys.stderr)
-        return 1
+        raise _VerbError(error) from None
     if args.overlap is not None:
         hardware = replace(hardware, overlap=args.overlap)
     if args.single_queue:
         hardware = replace(hardware, single_queue=True)
-    measured = None
+    return hardware
+
+
+def _workload(args: argparse.Namespace, model: str) -> tuple[Workload, int]:
+    """The model's traced workload and batch; a size it cannot take exits 2."""
+    entry = model_by_name(model, input_size=args.input_size)
+    paper = PAPER_TABLE_III.get(entry.name)
+    batch = args.batch_size or (paper[0] if paper else 32)
+    try:
+        workload = trace_workload(
+            entry.build,
+            entry.input_shape,
+            batch_size=batch,
+            name=entry.name,
+            device="meta",
+            vocab_size=entry.vocab_size,
+        )
+    except (ValueError, RuntimeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+        size = "x".join(str(n) for n in entry.input_shape)
+        size += "-token" if entry.vocab_size is not None else ""
+        raise _VerbError(f"model {entry.name} cannot take {size} inputs: {reason}", 2) from None
+    return workload, batch
+
+
+def _check_size(hardware: Hardware, workers: int, model: str) -> None:
+    """Refuse (exit 2) a run whose ranks all differ and would take too long."""
+    programs = rank_programs(hardware, workers)
+    if programs is not None and programs > MAX_RANK_PROGRAMS:
+        raise _VerbError(
+            f"{workers} workers of {model}: every rank differs (rank spread or jitter of "
+            f"{hardware.name}), so one iteration kind simulates {programs} rank programs "
+            f"(at most {MAX_RANK_PROGRAMS}, about 30 s per 1,000); use fewer workers",
+            2,
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the ``simulate`` verb; returns the exit code."""
+    try:
+        return _run(args)
+    except _VerbError as error:
+        print(f"spdkfac simulate: error: {error}", file=sys.stderr)
+        return error.code
+
+
+def _run(args: argparse.Namespace) -> int:
+    hardware = _hardware(args)
+    measured = profiled = None
     if args.measured is not None:
-        try:
-            measured = MeasuredCompute.load(args.measured)
-        except ValueError as error:
-            print(f"spdkfac simulate: error: {error}", file=sys.stderr)
-            return 1
-    profiled = None
+        measured = _input_file(args.measured, "--measured", MeasuredCompute.load)
     if args.profiled is not None:
-        try:
-            profiled = ProfiledCompute.load(args.profiled)
-        except (OSError, ValueError) as error:
-            print(f"spdkfac simulate: error: {error}", file=sys.stderr)
-            return 1
+        profiled = _input_file(args.profiled, "--profiled", ProfiledCompute.load)
     runs: list[SimulationRun] = []
     for model in args.model:
-        entry = model_by_name(model, input_size=args.input_size)
-        paper = PAPER_TABLE_III.get(entry.name)
-        batch = args.batch_size or (paper[0] if paper else 32)
-        workload = trace_workload(
-            entry.build, entry.input_shape, batch_size=batch, name=entry.name, device="meta"
-        )
+        workload, batch = _workload(args, model)
         model_hardware = hardware
-        if measured is not None and measured.model == entry.name:
-            try:
+        try:
+            if measured is not None and measured.model == workload.model:
                 workload, model_hardware = measured.apply(workload, hardware)
-            except ValueError as error:
-                print(f"spdkfac simulate: error: {error}", file=sys.stderr)
-                return 1
-        if profiled is not None:
-            try:
+            if profiled is not None:
                 workload, model_hardware = profiled.apply(workload, model_hardware)
-            except ValueError as error:
-                print(f"spdkfac simulate: error: {error}", file=sys.stderr)
-                return 1
+        except ValueError as error:
+            raise _VerbError(error) from None
+        for workers in args.workers:
+            _check_size(model_hardware, workers, workload.model)
         for workers in args.workers:
             results = {
                 name: simulate_strategy(
@@ -208,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
                 )
                 for name in args.strategies
             }
-            runs.append(SimulationRun(entry.name, batch, workers, hardware.name, results))
+            runs.append(SimulationRun(workload.model, batch, workers, hardware.name, results))
     notes = [
         f"command: `spdkfac simulate {' '.join(sys.argv[2:])}`"
         if sys.argv[1:2] == ["simulate"]

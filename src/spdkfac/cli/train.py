@@ -7,12 +7,15 @@ import dataclasses
 import sys
 from typing import Any
 
+from spdkfac.models import TORCHVISION_PREFIX, torchvision_builder
+from spdkfac.strategies import ALGORITHMS
 from spdkfac.training.config import (
     BATCHNORM_CURVATURES,
     DATASETS,
     LR_SCHEDULES,
     OPTIMIZERS,
     TrainConfig,
+    check_model_name,
     load_config_file,
 )
 
@@ -22,19 +25,32 @@ _UNSET: Any = object()
 
 _HELP: dict[str, str] = {
     "model": "model name (resnet20/32/56, cnn, mlp, wrn16-4, resnet50/152, densenet121/201, "
-    "or torchvision:NAME for a torchvision.models model)",
-    "dataset": f"dataset: {', '.join(DATASETS)}",
-    "data": "dataset directory (Fashion-MNIST default: Debian's dataset-fashion-mnist)",
+    "or torchvision:NAME for a torchvision.models model; gpt: a byte-level language model "
+    "for --dataset text)",
+    "dataset": f"dataset: {', '.join(DATASETS)} (text: a byte-level corpus for --model gpt)",
+    "data": "dataset directory (Fashion-MNIST default: Debian's dataset-fashion-mnist), or "
+    "for text a file or directory (default: Debian's fortunes, /usr/share/games/fortunes)",
     "image_size": "image side for imagefolder datasets",
+    "seq_len": "text: context length in bytes (window of each training example)",
+    "gpt_layers": "gpt: transformer blocks",
+    "gpt_heads": "gpt: attention heads (must divide --gpt-dim)",
+    "gpt_dim": "gpt: width of the residual stream",
+    "gpt_dropout": "gpt: dropout probability",
+    "train_limit": "image datasets: train on the first N training images only",
     "epochs": "training epochs",
     "max_steps": "stop after this many optimizer steps (checkpoints still written)",
+    "eval_every": "evaluate (and write a metrics.csv row) every N optimizer steps and at "
+    "the end, instead of at every epoch's end",
+    "evals_per_epoch": "evaluate K times per epoch, evenly spaced (the last at the epoch's "
+    "end), and at the end (default 1; not with --eval-every)",
     "batch_size": "examples per worker per optimizer step",
     "accumulation_steps": "forward/backward passes per optimizer step (gradient accumulation)",
-    "optimizer": f"optimizer: {', '.join(OPTIMIZERS)} (kfac = SGD preconditioned by K-FAC)",
+    "optimizer": f"optimizer: {', '.join(OPTIMIZERS)} (kfac = SGD preconditioned by K-FAC, "
+    "kfac-adamw = AdamW preconditioned by K-FAC)",
     "lr": "peak learning rate",
-    "momentum": "SGD momentum",
-    "nesterov": "Nesterov momentum",
-    "weight_decay": "L2 weight decay (added after preconditioning)",
+    "momentum": "SGD momentum, in [0, 1) (AdamW keeps its default betas)",
+    "nesterov": "Nesterov momentum (SGD)",
+    "weight_decay": "L2 weight decay after preconditioning (AdamW: decoupled weight decay)",
     "lr_schedule": f"learning-rate schedule: {', '.join(LR_SCHEDULES)}",
     "warmup_epochs": "linear learning-rate warm-up, in epochs",
     "milestones": "epochs where the step schedule multiplies the lr by --lr-gamma",
@@ -46,7 +62,8 @@ _HELP: dict[str, str] = {
     "damping": "K-FAC damping (the target of the damping warm-up)",
     "damping_initial": "initial damping of the warm-up (Osawa et al.)",
     "damping_warmup_steps": "steps over which damping decays from the initial value",
-    "kl_clip": "K-FAC KL clip (omit the flag's value with 0 to disable)",
+    "kl_clip": "K-FAC KL clip kappa: the preconditioned gradients V are scaled by "
+    "min(1, sqrt(kappa / (lr^2 * <V, grad>))) (0 disables the clip)",
     "factor_decay": "running-average weight of the Kronecker factors",
     "factor_update_steps": "factor refresh interval (early phase)",
     "inv_update_steps": "inverse refresh interval (early phase)",
@@ -66,16 +83,41 @@ _HELP: dict[str, str] = {
     "mixup_alpha": "running mixup Beta(alpha, alpha) (0: off)",
     "random_erasing": "probability of random erasing with zeros (0: off)",
     "label_smoothing": "label smoothing",
-    "augment": "random crop and horizontal flip",
+    "augment": "random crop and horizontal flip (image datasets)",
     "seed": "random seed",
     "threads": "torch intra-op threads per process",
     "collective_timeout": "seconds a collective may wait for a peer before the run fails",
     "out_dir": "where metrics, summary, TensorBoard logs and checkpoints go",
     "checkpoint_every": "checkpoint every N optimizer steps (0: only at the end)",
     "resume": "continue from the latest checkpoint in --out-dir",
-    "target_accuracy": "test accuracy whose time-to-reach is reported",
+    "target_accuracy": "test accuracy whose time-to-reach (at the first evaluation reaching "
+    "it) is reported (image datasets)",
     "tensorboard": "write TensorBoard logs when the tensorboard package is installed",
 }
+
+
+def _model(text: str) -> str:
+    try:
+        return check_model_name(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+#: argparse settings of the options whose type is not their default's (bools aside):
+#: the choice-like ones are checked by argparse, before anything else runs.
+_ARGUMENTS: dict[str, dict[str, Any]] = {
+    "model": {"type": _model, "metavar": "NAME"},
+    "dataset": {"type": str, "choices": DATASETS},
+    "optimizer": {"type": str, "choices": tuple(OPTIMIZERS)},
+    "lr_schedule": {"type": str, "choices": LR_SCHEDULES},
+    "strategy": {"type": str, "choices": ALGORITHMS},
+    "batchnorm": {"type": str, "choices": BATCHNORM_CURVATURES},
+    "milestones": {"type": float, "nargs": "*"},
+    "data": {"type": str},
+    **{name: {"type": int} for name in ("max_steps", "threads", "stale_switch_step",
+                                         "train_limit", "eval_every", "evals_per_epoch")},
+    **{name: {"type": float} for name in ("damping_initial", "poly_end_epoch", "kl_clip")},
+}  # fmt: skip
 
 
 def add_parser(verbs: Any) -> None:
@@ -83,8 +125,11 @@ def add_parser(verbs: Any) -> None:
     parser: argparse.ArgumentParser = verbs.add_parser(
         "train",
         help="train a model on real data with SGD or distributed K-FAC",
+        # A one-line usage: an error then prints it and one line naming the bad flag.
+        usage="%(prog)s [--config FILE] [--OPTION VALUE ...] (--help lists the options)",
         description=(
-            "Train a built-in model with SGD or SGD + K-FAC, data parallel under torchrun, "
+            "Train a built-in model (an image classifier, or gpt on a byte-level text) with "
+            "SGD or AdamW, optionally preconditioned by K-FAC, data parallel under torchrun, "
             "with Osawa et al.'s large-batch schemes, atomic checkpoints and --resume. "
             "Options may come from --config FILE (TOML or YAML, keys as below with "
             "underscores); flags given on the command line win."
@@ -106,18 +151,8 @@ def add_parser(verbs: Any) -> None:
         }
         if isinstance(default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif spec.name == "batchnorm":
-            kwargs.update(type=str, choices=BATCHNORM_CURVATURES)
-        elif spec.name == "milestones":
-            kwargs.update(type=float, nargs="*")
-        elif spec.name in ("max_steps", "threads", "stale_switch_step"):
-            kwargs["type"] = int
-        elif spec.name in ("damping_initial", "poly_end_epoch", "kl_clip"):
-            kwargs["type"] = float
-        elif spec.name == "data":
-            kwargs["type"] = str
         else:
-            kwargs["type"] = type(default)
+            kwargs.update(_ARGUMENTS.get(spec.name, {"type": type(default)}))
         parser.add_argument(flag, **kwargs)
     parser.set_defaults(run=run, _parser=parser)
 
@@ -144,17 +179,21 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     """Validate the options (exit 2 on bad ones, before any process group) and train."""
     config = _config_from_args(args)
+    from spdkfac.data.text import TextCorpusError
     from spdkfac.training.checkpoint import CheckpointError
     from spdkfac.training.setup import build_schedules
     from spdkfac.training.trainer import train
 
     try:
         build_schedules(config, steps_per_epoch=1)  # schedule errors exit 2 here, too
+        if config.model.lower().startswith(TORCHVISION_PREFIX):
+            # A missing torchvision or model name exits 2 here, before loading any data.
+            torchvision_builder(config.model[len(TORCHVISION_PREFIX) :])
     except ValueError as error:
         args._parser.error(str(error))
     try:
         train(config)
-    except CheckpointError as error:
+    except (CheckpointError, TextCorpusError) as error:
         print(f"spdkfac train: error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -1,5 +1,5 @@
-"""Curvature blocks (one protocol; Kronecker and normalization blocks), their state, layer
-discovery and the factor collector (capture + folding)."""
+"""Curvature blocks (one protocol; Kronecker, grouped-convolution and normalization
+blocks), their state, layer discovery and the factor collector (capture + folding)."""
 
 from __future__ import annotations
 
@@ -7,29 +7,38 @@ from spdkfac.curvature.block import Contribution, CurvatureBlock, Slot
 from spdkfac.curvature.capture import ActivationCapture
 from spdkfac.curvature.collector import FactorCollector
 from spdkfac.curvature.discovery import (
+    BLOCK_RULES,
+    BlockSettings,
     discover_batchnorm_layers,
     discover_blocks,
     discover_layers,
     unwrap_model,
 )
-from spdkfac.curvature.kronecker import KroneckerBlock
+from spdkfac.curvature.grouped import GroupedConvBlock
+from spdkfac.curvature.kronecker import DiagonalKroneckerBlock, KroneckerBlock
 from spdkfac.curvature.normalization import NormalizationBlock
 from spdkfac.curvature.state import (
     FactorAccumulator,
+    blocks_memory,
     blocks_state_dict,
     load_blocks_state,
     running_average,
 )
 
 __all__ = [
+    "BLOCK_RULES",
     "ActivationCapture",
+    "BlockSettings",
     "Contribution",
     "CurvatureBlock",
+    "DiagonalKroneckerBlock",
     "FactorAccumulator",
     "FactorCollector",
+    "GroupedConvBlock",
     "KroneckerBlock",
     "NormalizationBlock",
     "Slot",
+    "blocks_memory",
     "blocks_state_dict",
     "discover_batchnorm_layers",
     "discover_blocks",

@@ -18,7 +18,14 @@ from torch import Tensor, nn
 
 from spdkfac.placement import FactorSpec
 
-__all__ = ["Contribution", "CurvatureBlock", "ModuleBlock", "Slot"]
+__all__ = [
+    "Contribution",
+    "CurvatureBlock",
+    "FactorPairState",
+    "LocalInverses",
+    "ModuleBlock",
+    "Slot",
+]
 
 #: One call's statistic for one slot and the number of examples it averages.
 Contribution = tuple[Tensor, int]
@@ -162,3 +169,43 @@ class ModuleBlock:
     def dtype(self) -> torch.dtype:
         """Statistics are kept in at least float32 whatever the parameter dtype."""
         return torch.float64 if self._weight.dtype == torch.float64 else torch.float32
+
+
+class LocalInverses:
+    """Base of blocks every rank inverts itself: nothing for the placement to place."""
+
+    def inverse_specs(self) -> tuple[FactorSpec, ...]:
+        return ()
+
+    def placed_factors(self) -> dict[str, Tensor]:
+        return {}
+
+    def previous_inverses(self) -> dict[str, Tensor | None]:
+        return {}
+
+
+class FactorPairState:
+    """State of a block holding an A and a G factor and their inverses."""
+
+    a_factor: Tensor | None
+    g_factor: Tensor | None
+    a_inverse: Tensor | None
+    g_inverse: Tensor | None
+
+    def factors(self) -> tuple[Tensor | None, Tensor | None]:
+        return self.a_factor, self.g_factor
+
+    def inverses(self) -> tuple[Tensor | None, Tensor | None]:
+        return self.a_inverse, self.g_inverse
+
+    def state(self) -> dict[str, Tensor | None]:
+        return {
+            "a_factor": self.a_factor,
+            "g_factor": self.g_factor,
+            "a_inverse": self.a_inverse,
+            "g_inverse": self.g_inverse,
+        }
+
+    def restore(self, entry: Mapping[str, Tensor | None]) -> None:
+        self.a_factor, self.g_factor = entry["a_factor"], entry["g_factor"]
+        self.a_inverse, self.g_inverse = entry["a_inverse"], entry["g_inverse"]

@@ -15,11 +15,15 @@ InputSink = Callable[[str, nn.Module, Tensor], None]
 GradSink = Callable[[str, nn.Module, Tensor, Tensor], None]
 
 
-def _captures(module: nn.Module, args: tuple[Any, ...], enabled: Callable[[], bool]) -> bool:
-    """Whether this forward call is captured: training, autograd on, enabled, a tensor input."""
-    if not (module.training and torch.is_grad_enabled() and enabled()):
-        return False
-    return bool(args) and isinstance(args[0], Tensor)
+def _layer_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tensor | None:
+    """The layer's input, passed positionally or as ``input=`` (the name torch's layers use)."""
+    value = args[0] if args else kwargs.get("input")
+    return value if isinstance(value, Tensor) else None
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass (a checkpointed region recomputes then)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _on_output_grad(output: Any, sink: Callable[[Tensor], None]) -> None:
@@ -68,29 +72,58 @@ class ActivationCapture:
         self._handles: list[RemovableHandle] = []
         # Inputs of the forward calls being captured (pre-hook → forward hook), per module.
         self._active: dict[str, list[Tensor]] = {}
+        # Captured calls whose output gradient has not arrived yet, per module.
+        self._waiting: dict[str, int] = {}
         for name, module in modules.items():
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
-            self._handles.append(module.register_forward_hook(self._post_hook(name)))
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True)
+            )
+            self._handles.append(
+                module.register_forward_hook(self._post_hook(name), with_kwargs=True)
+            )
 
-    def _pre_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if not _captures(module, args, self._enabled):
+    def _pre_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not (module.training and torch.is_grad_enabled()):
                 return
-            inputs = args[0].detach()
+            layer_input = _layer_input(args, kwargs)
+            if layer_input is None or layer_input.numel() == 0 or not self._enabled():
+                return  # an empty batch contributes nothing (weight 0 in the exchange)
+            if _in_backward() and self._waiting.get(name, 0) > 0:
+                return  # a non-reentrant checkpoint's recomputation
+            inputs = layer_input.detach()
             self._active.setdefault(name, []).append(inputs)
             self._on_input(name, module, inputs)
 
         return hook
 
-    def _post_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _post_hook(
+        self, name: str
+    ) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
             calls = self._active.get(name)
             if not calls:
                 return
             inputs = calls.pop()
-            _on_output_grad(output, lambda grad: self._on_grad_output(name, module, inputs, grad))
+            if not isinstance(output, Tensor) or not output.requires_grad:
+                return
+            self._waiting[name] = self._waiting.get(name, 0) + 1
+
+            def arrived(grad: Tensor) -> None:
+                self._waiting[name] -= 1
+                self._on_grad_output(name, module, inputs, grad)
+
+            _on_output_grad(output, arrived)
 
         return hook
+
+    def forget(self) -> None:
+        """Drop the bookkeeping of calls whose gradient never came (a forward without
+        backward); called at every step."""
+        self._active.clear()
+        self._waiting.clear()
 
     def remove(self) -> None:
         """Remove every hook this object installed."""
@@ -98,3 +131,4 @@ class ActivationCapture:
             handle.remove()
         self._handles.clear()
         self._active.clear()
+        self._waiting.clear()

@@ -75,6 +75,9 @@ class FactorCollector:
         self._scale: float | None = None
         self._profiler = profiler
         self._warned_extra_pass = False
+        # Calls per step after which a slot is final, learned on the first factor step
+        # (a layer may run several times per pass): until then nothing is handed early.
+        self._expected: dict[str, int] | None = None
         self.forward_order: list[str] = []
         slots = [slot for block in blocks for slot in block.slots()]
         self._slots = {slot.key: slot for slot in slots}
@@ -175,7 +178,8 @@ class FactorCollector:
                 statistic.mul_(correction)
             pending = self._pending[key]
             pending.add(statistic, weight)
-            final = pending.calls >= self._accumulation_steps
+            expected = None if self._expected is None else self._expected.get(key)
+            final = expected is not None and pending.calls >= expected
             if self._exchange.pipelined and self._slots[key].symmetric and final:
                 self._hand_over(key, pending)
 
@@ -187,11 +191,29 @@ class FactorCollector:
         if not self._warned_extra_pass:
             self._warned_extra_pass = True
             warnings.warn(
-                f"spdkfac: more forward/backward passes than accumulation_steps="
-                f"{self._accumulation_steps} before step(); the extra passes do "
-                "not update the factors",
+                f"spdkfac: {key} was captured more often before this step() than before "
+                f"the first factor step; the extra calls do not update its factors (the "
+                f"number of passes must stay accumulation_steps={self._accumulation_steps})",
                 RuntimeWarning,
                 stacklevel=5,
+            )
+
+    def _learn_calls(self) -> None:
+        """On the first factor step: how many calls make each slot final, and a warning
+        when every layer ran more often than ``accumulation_steps`` (forgotten option)."""
+        calls = {key: p.calls for key, p in self._pending.items() if p.calls > 0}
+        self._expected = calls
+        backward = [n for key, n in calls.items() if not self._slots[key].forward]
+        passes = min(backward, default=0)
+        if passes > self._accumulation_steps:
+            warnings.warn(
+                f"spdkfac: every layer ran backward {passes} times before step() with "
+                f"accumulation_steps={self._accumulation_steps}. For gradient "
+                f"accumulation set accumulation_steps={passes}: G factors assume each "
+                "pass's loss is divided by accumulation_steps (otherwise they come out "
+                f"{passes}² times too small with the usual loss / {passes})",
+                RuntimeWarning,
+                stacklevel=4,
             )
 
     # ------------------------------------------------------------------ the step
@@ -214,6 +236,8 @@ class FactorCollector:
             may be absorbed anywhere).
         """
         local_ok = local_ok and self.pending_finite()
+        if self._expected is None:
+            self._learn_calls()
         # Statistics from fewer passes than accumulation_steps were not handed over yet.
         for key, pending in self._pending.items():
             if self._slots[key].symmetric and not self._exchange.is_handed_over(key):
@@ -243,6 +267,7 @@ class FactorCollector:
         """Drop what was captured since the last factor update."""
         for pending in self._pending.values():
             pending.clear()
+        self._capture.forget()
 
     def remove(self) -> None:
         """Remove every hook and drop what was captured."""

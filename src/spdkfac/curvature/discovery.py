@@ -1,95 +1,279 @@
-"""Finding the layers K-FAC preconditions as curvature blocks, and what it leaves alone."""
+"""Finding the layers K-FAC preconditions as curvature blocks, and what it leaves alone.
+
+One rule per family, tried in order on every module (:data:`BLOCK_RULES`): Kronecker
+blocks for the layers an adapter supports (Linear, Conv1d/Conv2d, Embedding), per-group
+blocks for grouped convolutions, normalization blocks when a normalization mode is set.
+Modules with trainable parameters of their own that no rule takes are listed once in a
+warning and keep their plain gradient.
+
+Two cases are decided here so that no parameter is preconditioned twice or silently not
+at all:
+
+* **shared weights** (an embedding tied to the output head, one ``nn.Linear`` registered
+  under two names): the parameter gets the block of the *last* module using it in
+  ``named_modules`` order — the output head of a tied language model — and the others get
+  none (a layer called several times is one module: every call contributes to its factors,
+  the weight-sharing definition of :mod:`spdkfac.layers.linear`);
+* **nn.MultiheadAttention** calls its ``out_proj`` through a functional, never through
+  its forward, so no hook sees it: the attention module and its children are listed as
+  not preconditioned (write attention with ``nn.Linear`` projections, as the built-in GPT
+  model does, to precondition them).
+"""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from torch import Tensor, nn
+from torch.nn.parameter import UninitializedParameter
+from torch.nn.utils import parametrize
 
 from spdkfac.curvature.block import CurvatureBlock
-from spdkfac.curvature.kronecker import KroneckerBlock
+from spdkfac.curvature.grouped import GroupedConvBlock
+from spdkfac.curvature.kronecker import DiagonalKroneckerBlock, KroneckerBlock
 from spdkfac.curvature.normalization import NormalizationBlock
-from spdkfac.layers import FactorOptions, lookup
+from spdkfac.layers import FactorOptions, adapter_for_type, lookup
 from spdkfac.layers.batchnorm import is_supported_batchnorm
-from spdkfac.types import NormalizationMode, SkipEntry
+from spdkfac.layers.normalization import norm_kind
+from spdkfac.linalg import InverseMethod
+from spdkfac.types import NormalizationMode, SkipEntry, WeightSharing
 
-__all__ = ["discover_batchnorm_layers", "discover_blocks", "discover_layers", "unwrap_model"]
+__all__ = [
+    "BLOCK_RULES",
+    "BlockSettings",
+    "check_materialized",
+    "discover_batchnorm_layers",
+    "discover_blocks",
+    "discover_layers",
+    "unwrap_model",
+]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside a ``DistributedDataParallel`` wrapper (else ``model``)."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        inner = model.module
+    """The user's module inside ``DistributedDataParallel`` and ``torch.compile`` wrappers
+    (in any nesting), so layer names and state keys are the user's either way."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            inner = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            inner = model._orig_mod  # torch.compile's OptimizedModule
+        else:
+            return model
         assert isinstance(inner, nn.Module)
-        return inner
-    return model
+        model = inner
+
+
+@dataclass(frozen=True)
+class BlockSettings:
+    """What discovery needs from the options.
+
+    Attributes:
+        factor_options: How adapters compute factors.
+        weight_sharing: ``"expand"`` or ``"reduce"`` for layers shared over positions.
+        normalization: Mode for every supported normalization layer (None: none).
+        batchnorm: Mode for BatchNorm layers only (overrides ``normalization`` for them).
+        norm_damping_multiplier: ρ of normalization blocks.
+        inverse_method: How blocks that invert locally (grouped convolutions) invert.
+    """
+
+    factor_options: FactorOptions = field(default_factory=FactorOptions)
+    weight_sharing: WeightSharing = "expand"
+    normalization: NormalizationMode | None = None
+    batchnorm: NormalizationMode | None = None
+    norm_damping_multiplier: float = 1.0
+    inverse_method: InverseMethod = "cholesky"
+
+    def norm_mode(self, module: nn.Module) -> NormalizationMode | None:
+        """The mode of a supported normalization layer (None: plain gradient)."""
+        if self.batchnorm is not None and is_supported_batchnorm(module):
+            return self.batchnorm
+        return self.normalization
+
+
+def _trainable_weight(module: nn.Module) -> bool:
+    """A trainable ``weight`` Parameter of the module's own: a weight computed by a
+    parametrization (``weight_norm``, ``spectral_norm``, ``torch.nn.utils.parametrize``)
+    is not a leaf, never gets a ``.grad`` and is left alone (listed as not preconditioned)."""
+    weight = module.__dict__.get("_parameters", {}).get("weight")
+    return isinstance(weight, nn.Parameter) and weight.requires_grad
+
+
+def _kronecker(name: str, module: nn.Module, settings: BlockSettings) -> CurvatureBlock | None:
+    adapter = lookup(module)
+    if adapter is None or not _trainable_weight(module):
+        return None
+    adapter = adapter.with_options(settings.factor_options, weight_sharing=settings.weight_sharing)
+    block_type = DiagonalKroneckerBlock if adapter.diagonal_a else KroneckerBlock
+    return block_type(name, module, adapter)
+
+
+def _grouped(name: str, module: nn.Module, settings: BlockSettings) -> CurvatureBlock | None:
+    adapter = adapter_for_type(module)
+    if adapter is None or getattr(module, "groups", 1) == 1 or not _trainable_weight(module):
+        return None
+    adapter = adapter.with_options(settings.factor_options, weight_sharing=settings.weight_sharing)
+    return GroupedConvBlock(name, module, adapter, inverse_method=settings.inverse_method)
+
+
+def _normalization(name: str, module: nn.Module, settings: BlockSettings) -> CurvatureBlock | None:
+    mode = settings.norm_mode(module)
+    if mode is None or norm_kind(module) is None:
+        return None
+    return NormalizationBlock(
+        name, module, mode=mode, damping_multiplier=settings.norm_damping_multiplier
+    )
+
+
+Rule = Callable[[str, nn.Module, BlockSettings], CurvatureBlock | None]
+
+#: Block families in the order they are tried on each module.
+BLOCK_RULES: tuple[Rule, ...] = (_kronecker, _grouped, _normalization)
 
 
 def _name_matches(name: str, entry: str) -> bool:
     return name == entry or name.startswith(entry + ".")
 
 
+def _entry_matches(name: str, module: nn.Module, entry: SkipEntry) -> bool:
+    """A ``skip_layers`` entry: a module name (its children too), ``"re:<pattern>"`` (a
+    regular expression the whole name matches), a class name, or an ``nn.Module`` type."""
+    if not isinstance(entry, str):
+        return isinstance(module, entry)
+    if entry.startswith("re:"):
+        return re.fullmatch(entry[3:], name) is not None
+    return _name_matches(name, entry) or type(module).__name__ == entry
+
+
 def _is_skipped(name: str, module: nn.Module, skip: Iterable[SkipEntry]) -> bool:
+    return any(_entry_matches(name, module, entry) for entry in skip)
+
+
+def check_materialized(model: nn.Module) -> None:
+    """A preconditioner needs real parameters (tools that only trace shapes do not).
+
+    Raises:
+        ValueError: Lazy (unmaterialized) or ``meta``-device parameters.
+    """
+    for name, parameter in model.named_parameters():
+        if isinstance(parameter, UninitializedParameter):
+            raise ValueError(
+                f"parameter {name!r} is not materialized (a lazy module): run one forward "
+                "pass before constructing the preconditioner"
+            )
+        if parameter.device.type == "meta":
+            raise ValueError(
+                f"parameter {name!r} is on the meta device: materialize the model "
+                "(e.g. model.to_empty(device=...) and initialize it) first"
+            )
+
+
+def _attention_children(model: nn.Module) -> set[str]:
+    """Names of every ``nn.MultiheadAttention`` and of the modules inside one."""
+    names: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            names.update(
+                f"{name}.{child}" if name else child for child, _ in module.named_modules()
+            )
+    return names
+
+
+def _drop_shared(blocks: dict[str, CurvatureBlock]) -> dict[str, CurvatureBlock]:
+    """Keep, for each weight, only the last block using it (see the module docstring)."""
+    owner: dict[int, str] = {}
+    for name, block in blocks.items():
+        weight = getattr(block.module, "weight", None)
+        if isinstance(weight, Tensor):
+            owner[id(weight)] = name
+    return {
+        name: block
+        for name, block in blocks.items()
+        if owner.get(id(getattr(block.module, "weight", None)), name) == name
+    }
+
+
+def discover_blocks(
+    model: nn.Module,
+    skip: tuple[SkipEntry, ...],
+    settings: BlockSettings | None = None,
+    *,
+    warn: bool = True,
+) -> list[CurvatureBlock]:
+    """Every curvature block of ``model`` in ``named_modules`` order: Kronecker and grouped
+    blocks first, then normalization blocks; warns once about unsupported layers.
+
+    Raises:
+        ValueError: A name in ``skip`` matches no module, or nothing is left to register.
+    """
+    settings = BlockSettings() if settings is None else settings
+    modules = list(model.named_modules())
     for entry in skip:
-        if isinstance(entry, str):
-            if _name_matches(name, entry):
-                return True
-        elif isinstance(module, entry):
-            return True
-    return False
+        if isinstance(entry, str) and not any(_entry_matches(n, m, entry) for n, m in modules):
+            raise ValueError(f"skip_layers entry {entry!r} matches no module of the model")
+    attention = _attention_children(model)
+    found: dict[str, CurvatureBlock] = {}
+    unsupported: Counter[str] = Counter()
+    for name, module in model.named_modules():
+        if _is_skipped(name, module, skip):
+            continue
+        if name in attention and not isinstance(module, nn.MultiheadAttention):
+            continue  # listed once, as the attention module
+        if isinstance(module, parametrize.ParametrizationList):
+            continue  # listed once, as the parametrized layer
+        block = None
+        if name not in attention:
+            block = next(
+                (b for rule in BLOCK_RULES if (b := rule(name, module, settings)) is not None),
+                None,
+            )
+        if block is not None:
+            found[name] = block
+        elif any(p.requires_grad for p in module.parameters(recurse=False)):
+            unsupported[type(module).__name__] += 1
+    found = _drop_shared(found)
+    if not any(block.section == "layers" for block in found.values()):
+        raise ValueError(
+            "model has no layer K-FAC supports (nn.Linear, nn.Conv1d/nn.Conv2d, "
+            "nn.Embedding) outside skip_layers"
+        )
+    if unsupported and warn:
+        listed = ", ".join(f"{kind} ({count})" for kind, count in sorted(unsupported.items()))
+        hint = (
+            " (nn.MultiheadAttention: write the projections as nn.Linear layers to "
+            "precondition them)"
+            if "MultiheadAttention" in unsupported
+            else ""
+        )
+        warnings.warn(
+            f"spdkfac: these layers are not preconditioned and keep their plain gradient: "
+            f"{listed}{hint}",
+            UserWarning,
+            stacklevel=4,
+        )
+    blocks = list(found.values())
+    return [b for b in blocks if b.section == "layers"] + [
+        b for b in blocks if b.section != "layers"
+    ]
 
 
 def discover_layers(
     model: nn.Module,
     skip: tuple[SkipEntry, ...],
     options: FactorOptions | None = None,
-    *,
-    handled: Collection[str] = (),
 ) -> dict[str, KroneckerBlock]:
-    """Kronecker blocks in ``named_modules`` order; warns once about unsupported layers.
-
-    A layer is registered when an adapter supports it, its weight requires grad, and it is
-    not skipped; its adapter computes factors as ``options`` say. Other modules with
-    trainable parameters of their own are listed in one warning (they keep their plain
-    gradient), except those named in ``handled`` (curvature kept elsewhere).
+    """The Kronecker blocks alone (Linear, Conv1d/Conv2d with ``groups = 1``, Embedding),
+    in ``named_modules`` order, for tools that time or trace their factors.
 
     Raises:
-        ValueError: A name in ``skip`` matches no module, or nothing is left to register.
+        ValueError: As :func:`discover_blocks`.
     """
-    layers: dict[str, KroneckerBlock] = {}
-    unsupported: Counter[str] = Counter()
-    names = [name for name, _ in model.named_modules()]
-    for entry in skip:
-        if isinstance(entry, str) and not any(_name_matches(name, entry) for name in names):
-            raise ValueError(f"skip_layers entry {entry!r} matches no module of the model")
-    for name, module in model.named_modules():
-        if _is_skipped(name, module, skip):
-            continue
-        adapter = lookup(module)
-        if adapter is not None:
-            weight = getattr(module, "weight", None)
-            if isinstance(weight, Tensor) and weight.requires_grad:
-                if options is not None:
-                    adapter = adapter.with_options(options)
-                layers[name] = KroneckerBlock(name, module, adapter)
-            continue
-        if name not in handled and any(p.requires_grad for p in module.parameters(recurse=False)):
-            unsupported[type(module).__name__] += 1
-    if not layers:
-        raise ValueError(
-            "model has no layer K-FAC supports (nn.Linear, nn.Conv2d with groups=1) "
-            "outside skip_layers"
-        )
-    if unsupported:
-        listed = ", ".join(f"{kind} ({count})" for kind, count in sorted(unsupported.items()))
-        warnings.warn(
-            f"spdkfac: these layers are not preconditioned and keep their plain gradient: {listed}",
-            UserWarning,
-            stacklevel=4,
-        )
-    return layers
+    settings = BlockSettings(factor_options=options or FactorOptions())
+    blocks = discover_blocks(model, skip, settings)
+    return {b.name: b for b in blocks if isinstance(b, KroneckerBlock)}
 
 
 def discover_batchnorm_layers(
@@ -104,36 +288,3 @@ def discover_batchnorm_layers(
         for name, module in model.named_modules()
         if is_supported_batchnorm(module) and not _is_skipped(name, module, skip)
     }
-
-
-def discover_blocks(
-    model: nn.Module,
-    skip: tuple[SkipEntry, ...],
-    options: FactorOptions | None = None,
-    *,
-    normalization: NormalizationMode | None = None,
-    normalization_damping_multiplier: float = 1.0,
-) -> list[CurvatureBlock]:
-    """Every curvature block of ``model``: Kronecker blocks, then normalization blocks.
-
-    Normalization layers get blocks only when ``normalization`` names a mode; otherwise
-    they keep their plain gradient (and are listed among the unsupported layers).
-
-    Raises:
-        ValueError: As :func:`discover_layers`.
-    """
-    normal = (
-        {}
-        if normalization is None
-        else {
-            name: NormalizationBlock(
-                name,
-                module,
-                mode=normalization,
-                damping_multiplier=normalization_damping_multiplier,
-            )
-            for name, module in discover_batchnorm_layers(model, skip).items()
-        }
-    )
-    kronecker = discover_layers(model, skip, options, handled=normal.keys())
-    return [*kronecker.values(), *normal.values()]

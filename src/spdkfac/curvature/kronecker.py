@@ -4,17 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor, nn
 
-from spdkfac.curvature.block import Contribution, ModuleBlock, Slot
+from spdkfac.curvature.block import (
+    Contribution,
+    FactorPairState,
+    ModuleBlock,
+    Slot,
+)
 from spdkfac.curvature.state import running_average
 from spdkfac.layers import KFACLayer, precondition
 from spdkfac.placement import FactorSpec
 
-__all__ = ["KroneckerBlock"]
+__all__ = ["DiagonalKroneckerBlock", "KroneckerBlock"]
 
 
-class KroneckerBlock(ModuleBlock):
+class KroneckerBlock(FactorPairState, ModuleBlock):
     """A Linear or Conv2d layer's Kronecker factors A (inputs) and G (output gradients).
 
     The factor math is the adapter's (pure functions of :mod:`spdkfac.layers`); the block
@@ -69,7 +75,9 @@ class KroneckerBlock(ModuleBlock):
 
     # ------------------------------------------------------------------ factor steps
     def capture_input(self, inputs: Tensor) -> dict[str, Contribution]:
-        return {self._a_key: self.adapter.a_factor(self.module, inputs.to(self.dtype))}
+        if inputs.is_floating_point():  # (an embedding's input is indices)
+            inputs = inputs.to(self.dtype)
+        return {self._a_key: self.adapter.a_factor(self.module, inputs)}
 
     def capture_grad(self, inputs: Tensor, grad_output: Tensor) -> dict[str, Contribution]:
         return {self._g_key: self.adapter.g_factor(self.module, grad_output.to(self.dtype))}
@@ -118,24 +126,57 @@ class KroneckerBlock(ModuleBlock):
         self.adapter.set_gradient(self.module, matrix)
 
     # ------------------------------------------------------------------ state
-    def factors(self) -> tuple[Tensor | None, Tensor | None]:
-        return self.a_factor, self.g_factor
-
-    def inverses(self) -> tuple[Tensor | None, Tensor | None]:
-        return self.a_inverse, self.g_inverse
-
-    def state(self) -> dict[str, Tensor | None]:
-        return {
-            "a_factor": self.a_factor,
-            "g_factor": self.g_factor,
-            "a_inverse": self.a_inverse,
-            "g_inverse": self.g_inverse,
-        }
-
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         a, g = (self.a_dim,) * 2, (self.g_dim,) * 2
         return {"a_factor": a, "g_factor": g, "a_inverse": a, "g_inverse": g}
 
-    def restore(self, entry: Mapping[str, Tensor | None]) -> None:
-        self.a_factor, self.g_factor = entry["a_factor"], entry["g_factor"]
-        self.a_inverse, self.g_inverse = entry["a_inverse"], entry["g_inverse"]
+
+class DiagonalKroneckerBlock(KroneckerBlock):
+    """A Kronecker block whose A factor is diagonal (``nn.Embedding``: one-hot inputs).
+
+    A is a ``[V]`` vector: it joins the one all-reduce of dense statistics and every rank
+    inverts it in closed form, ``1/(a + γ)`` (no placement, no broadcast); G is placed by
+    the strategy like any Kronecker factor. Preconditioning is ``Ĝ ∇ diag(â)``.
+    """
+
+    def slots(self) -> tuple[Slot, ...]:
+        a, g = self.a_dim, self.g_dim
+        return (
+            Slot(self._a_key, (a,), symmetric=False, forward=True),
+            Slot(self._g_key, (g, g), symmetric=True, forward=False),
+        )
+
+    def describe(self) -> str:
+        return f"{self.name}:diag{self.a_dim}x{self.g_dim}"
+
+    def absorb(self, new: Mapping[str, Tensor | None], decay: float) -> None:
+        a_new = new.get(self._a_key)
+        if a_new is not None:
+            new = {**new, self._a_key: a_new.to(device=self.device, dtype=self.dtype)}
+        super().absorb(new, decay)
+
+    def inverse_specs(self) -> tuple[FactorSpec, ...]:
+        return (FactorSpec(self.name, "G", self.g_dim),)
+
+    def placed_factors(self) -> dict[str, Tensor]:
+        if self.a_factor is None or self.g_factor is None:
+            return {}
+        return {self._g_key: self.g_factor}
+
+    def previous_inverses(self) -> dict[str, Tensor | None]:
+        return {self._g_key: self.g_inverse}
+
+    def update_inverses(self, inverses: Mapping[str, Tensor], damping: float) -> None:
+        if self.a_factor is None or self.g_factor is None:
+            return
+        self.g_inverse = inverses.get(self._g_key)
+        self.a_inverse = torch.reciprocal(self.a_factor + damping)
+
+    def precondition(self, gradient: Tensor) -> Tensor:
+        if self.a_inverse is None or self.g_inverse is None:
+            return gradient
+        return (self.g_inverse @ gradient).mul_(self.a_inverse)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        a, g = (self.a_dim,), (self.g_dim,) * 2
+        return {"a_factor": a, "g_factor": g, "a_inverse": a, "g_inverse": g}

@@ -1,6 +1,7 @@
 """Normalization blocks: Osawa et al.'s diagonal or unit-wise Fisher of scale and shift.
 
-The per-channel blocks of :mod:`spdkfac.layers.batchnorm` are tiny (3 numbers per channel),
+For BatchNorm, GroupNorm, LayerNorm and RMSNorm (:mod:`spdkfac.layers.normalization`).
+The per-unit blocks are tiny (3 numbers per unit),
 so they take none of the Kronecker machinery: no fusion bucket, no placement, no
 broadcast. Their statistic is a dense slot: on a factor step every rank adds its
 example-weighted blocks of all normalization layers into one buffer and issues **one**
@@ -17,29 +18,29 @@ from collections.abc import Mapping
 
 from torch import Tensor, nn
 
-from spdkfac.curvature.block import Contribution, ModuleBlock, Slot
+from spdkfac.curvature.block import Contribution, LocalInverses, ModuleBlock, Slot
 from spdkfac.curvature.state import running_average
-from spdkfac.layers.batchnorm import (
-    batchnorm_fisher,
-    batchnorm_gradient,
-    normalized_input,
-    precondition_units,
-    unit_inverses,
-    write_batchnorm_gradient,
+from spdkfac.layers.batchnorm import precondition_units, unit_inverses
+from spdkfac.layers.normalization import (
+    NormKind,
+    has_shift,
+    norm_gradient,
+    norm_kind,
+    unit_fisher,
+    write_norm_gradient,
 )
 from spdkfac.linalg import is_finite
-from spdkfac.placement import FactorSpec
 from spdkfac.types import NormalizationMode
 
 __all__ = ["NormalizationBlock"]
 
 
-class NormalizationBlock(ModuleBlock):
-    """A BatchNorm layer's ``[C, 3]`` Fisher blocks ``(F_γγ, F_γβ, F_ββ)`` and inverses.
+class NormalizationBlock(LocalInverses, ModuleBlock):
+    """A normalization layer's ``[P, 3]`` Fisher blocks ``(F_γγ, F_γβ, F_ββ)`` and inverses.
 
     Args:
         name: The module's name.
-        module: The BatchNorm layer.
+        module: A supported normalization layer (:func:`~spdkfac.layers.normalization.norm_kind`).
         mode: ``"diagonal"`` or ``"unit-wise"`` (see :mod:`spdkfac.layers.batchnorm`).
         damping_multiplier: ρ > 0: blocks are damped with ρ·γ.
     """
@@ -54,6 +55,10 @@ class NormalizationBlock(ModuleBlock):
         mode: NormalizationMode,
         damping_multiplier: float = 1.0,
     ) -> None:
+        kind = norm_kind(module)
+        if kind is None:
+            raise ValueError(f"{name!r} ({type(module).__name__}) is not a supported norm layer")
+        self.kind: NormKind = kind
         self.name = name
         self.module = module
         self.mode = mode
@@ -63,8 +68,8 @@ class NormalizationBlock(ModuleBlock):
 
     @property
     def channels(self) -> int:
-        """Number of channels C."""
-        return self._weight.shape[0]
+        """Number of units P (channels, or elements of ``normalized_shape``)."""
+        return self._weight.numel()
 
     @property
     def _key(self) -> str:
@@ -74,20 +79,23 @@ class NormalizationBlock(ModuleBlock):
         return (Slot(self._key, (self.channels, 3), symmetric=False, forward=False),)
 
     def describe(self) -> str:
-        return f"{self.name}:bn{self.channels}:{self.mode}"
+        return f"{self.name}:{self.kind.name}{self.channels}:{self.mode}"
 
     # ------------------------------------------------------------------ factor steps
     def capture_input(self, inputs: Tensor) -> dict[str, Contribution]:
         return {}
 
     def capture_grad(self, inputs: Tensor, grad_output: Tensor) -> dict[str, Contribution]:
-        normalized = normalized_input(
-            inputs.to(self.dtype), float(getattr(self.module, "eps", 1e-5))
+        normalized = self.kind.normalize(self.module, inputs.to(self.dtype))
+        blocks, examples = unit_fisher(
+            normalized,
+            grad_output.to(self.dtype),
+            units=self.channels,
+            channel_first=self.kind.channel_first,
+            diagonal=self.mode == "diagonal",
+            shift=has_shift(self.module),
         )
-        blocks = batchnorm_fisher(
-            normalized, grad_output.to(self.dtype), diagonal=self.mode == "diagonal"
-        )
-        return {self._key: (blocks, grad_output.shape[0])}
+        return {self._key: (blocks, examples)}
 
     def absorb(self, new: Mapping[str, Tensor | None], decay: float) -> None:
         blocks = new.get(self._key)
@@ -97,15 +105,6 @@ class NormalizationBlock(ModuleBlock):
             )
 
     # ------------------------------------------------------------------ inverses
-    def inverse_specs(self) -> tuple[FactorSpec, ...]:
-        return ()
-
-    def placed_factors(self) -> dict[str, Tensor]:
-        return {}
-
-    def previous_inverses(self) -> dict[str, Tensor | None]:
-        return {}
-
     def update_inverses(self, inverses: Mapping[str, Tensor], damping: float) -> None:
         """``(F_c + ργI)⁻¹`` of every channel, on every rank; a non-finite one keeps the last."""
         if self.fisher is None:
@@ -116,7 +115,7 @@ class NormalizationBlock(ModuleBlock):
 
     # ------------------------------------------------------------------ preconditioning
     def gradient(self) -> Tensor | None:
-        return batchnorm_gradient(self.module)
+        return norm_gradient(self.module)
 
     def precondition(self, gradient: Tensor) -> Tensor:
         if self.inverse is None:
@@ -124,7 +123,7 @@ class NormalizationBlock(ModuleBlock):
         return precondition_units(gradient, self.inverse)
 
     def set_gradient(self, matrix: Tensor) -> None:
-        write_batchnorm_gradient(self.module, matrix)
+        write_norm_gradient(self.module, matrix)
 
     # ------------------------------------------------------------------ state
     def factors(self) -> tuple[Tensor | None]:

@@ -12,6 +12,7 @@ from spdkfac.curvature.block import CurvatureBlock
 
 __all__ = [
     "FactorAccumulator",
+    "blocks_memory",
     "blocks_state_dict",
     "load_blocks_state",
     "running_average",
@@ -66,13 +67,22 @@ def running_average(current: Tensor | None, new: Tensor, decay: float) -> Tensor
 _SECTIONS = {"layers": "", "batchnorm": "BatchNorm "}
 
 
-def blocks_state_dict(blocks: Sequence[CurvatureBlock], mode: str | None) -> dict[str, Any]:
+def _is_inverse(key: str) -> bool:
+    return key.endswith("inverse")
+
+
+def blocks_state_dict(
+    blocks: Sequence[CurvatureBlock], mode: str | None, *, inverses: bool = True
+) -> dict[str, Any]:
     """Copies of every block's tensors: ``{"layers": …}`` and, when normalization blocks
-    exist, ``{"batchnorm": {"mode": mode, "layers": …}}``."""
+    exist, ``{"batchnorm": {"mode": mode, "layers": …}}``; inverses as None unless
+    ``inverses``."""
     sections: dict[str, dict[str, dict[str, Tensor | None]]] = {"layers": {}}
     for block in blocks:
         sections.setdefault(block.section, {})[block.name] = {
-            key: None if value is None else value.detach().clone()
+            key: None
+            if value is None or (_is_inverse(key) and not inverses)
+            else value.detach().clone()
             for key, value in block.state().items()
         }
     result: dict[str, Any] = {"layers": sections.pop("layers")}
@@ -109,8 +119,12 @@ def _restored(
 
 def load_blocks_state(
     blocks: Sequence[CurvatureBlock], state_dict: Mapping[str, Any], mode: str | None
-) -> None:
+) -> bool:
     """Restore :func:`blocks_state_dict`'s output; validates everything before writing.
+
+    Returns:
+        Whether some factor came without its inverse (saved with ``inverses=False``): the
+        inverses should be recomputed at the next step.
 
     Raises:
         ValueError: When the sections, the mode, the block names or a shape differ.
@@ -139,5 +153,21 @@ def load_blocks_state(
         if section in sections
         for pair in _restored(by_section[section], sections[section], prefix)
     ]
+    stale = False
     for block, entry in restored:
         block.restore(entry)
+        factors = [v for k, v in entry.items() if not _is_inverse(k)]
+        inverses = [v for k, v in entry.items() if _is_inverse(k)]
+        stale |= any(v is not None for v in factors) and any(v is None for v in inverses)
+    return stale
+
+
+def blocks_memory(blocks: Sequence[CurvatureBlock]) -> dict[str, int]:
+    """Bytes of the factors and of the inverses the blocks hold."""
+    totals = {"factors": 0, "inverses": 0}
+    for block in blocks:
+        for key, value in block.state().items():
+            if value is not None:
+                kind = "inverses" if _is_inverse(key) else "factors"
+                totals[kind] += value.numel() * value.element_size()
+    return totals

@@ -1,4 +1,5 @@
-"""Datasets and augmentations: IDX, Fashion-MNIST, CIFAR-10, image folders, batch transforms."""
+"""Datasets and augmentations: IDX, Fashion-MNIST, CIFAR-10, image folders, byte-level text,
+batch transforms."""
 
 from __future__ import annotations
 
@@ -23,12 +24,20 @@ from spdkfac.data.imagefolder import (
     IMAGENET_STD,
     load_image_folder,
 )
+from spdkfac.data.text import (
+    DEFAULT_TEXT_PATH,
+    TextCorpus,
+    TextCorpusError,
+    TextWindows,
+    load_text_corpus,
+)
 
 __all__ = [
     "CIFAR10_CLASSES",
     "CIFAR10_MEAN",
     "CIFAR10_STD",
     "DEFAULT_FASHION_MNIST_DIR",
+    "DEFAULT_TEXT_PATH",
     "FASHION_MNIST_CLASSES",
     "FASHION_MNIST_MEAN",
     "FASHION_MNIST_STD",
@@ -36,9 +45,13 @@ __all__ = [
     "IMAGENET_STD",
     "IMAGE_EXTENSIONS",
     "RunningMixup",
+    "TextCorpus",
+    "TextCorpusError",
+    "TextWindows",
     "load_cifar10",
     "load_fashion_mnist",
     "load_image_folder",
+    "load_text_corpus",
     "random_crop_flip",
     "random_erasing",
     "read_idx",

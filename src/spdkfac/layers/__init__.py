@@ -5,17 +5,22 @@ from __future__ import annotations
 from torch import nn
 
 from spdkfac.layers.base import KFACLayer, gradient_matrix, precondition, write_gradient_matrix
+from spdkfac.layers.conv1d import Conv1dLayer
 from spdkfac.layers.conv2d import Conv2dLayer
+from spdkfac.layers.embedding import EmbeddingLayer
 from spdkfac.layers.linear import LinearLayer
 from spdkfac.layers.options import FactorMethod, FactorOptions, SelectionPolicy
 
 __all__ = [
+    "Conv1dLayer",
     "Conv2dLayer",
+    "EmbeddingLayer",
     "FactorMethod",
     "FactorOptions",
     "KFACLayer",
     "LinearLayer",
     "SelectionPolicy",
+    "adapter_for_type",
     "gradient_matrix",
     "lookup",
     "precondition",
@@ -32,15 +37,21 @@ def register_layer_type(adapter: KFACLayer) -> None:
         _REGISTRY[module_type] = adapter
 
 
-def lookup(module: nn.Module) -> KFACLayer | None:
-    """The adapter for this module, or None when its type or configuration is unsupported."""
+def adapter_for_type(module: nn.Module) -> KFACLayer | None:
+    """The adapter registered for this module's type (or a base type whose ``forward`` it
+    keeps), whatever its configuration."""
     adapter = _REGISTRY.get(type(module))
     if adapter is None:
         # A subclass inherits the math only when it keeps the registered type's forward.
         for base in type(module).__mro__[1:]:
             if base in _REGISTRY and type(module).forward is base.forward:
-                adapter = _REGISTRY[base]
-                break
+                return _REGISTRY[base]
+    return adapter
+
+
+def lookup(module: nn.Module) -> KFACLayer | None:
+    """The adapter for this module, or None when its type or configuration is unsupported."""
+    adapter = adapter_for_type(module)
     if adapter is None or not adapter.supports(module):
         return None
     return adapter
@@ -48,3 +59,5 @@ def lookup(module: nn.Module) -> KFACLayer | None:
 
 register_layer_type(LinearLayer())
 register_layer_type(Conv2dLayer())
+register_layer_type(Conv1dLayer())
+register_layer_type(EmbeddingLayer())

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from spdkfac.layers.options import FactorOptions
+from spdkfac.types import WeightSharing
 
 __all__ = ["KFACLayer", "gradient_matrix", "precondition", "write_gradient_matrix"]
 
@@ -47,6 +48,8 @@ class KFACLayer(ABC):
     #: the registered type's ``forward``; one with a custom forward is not assumed to keep
     #: the math.
     module_types: tuple[type[nn.Module], ...] = ()
+    #: A is a diagonal kept as a ``[a_dim]`` vector (one-hot inputs: ``nn.Embedding``).
+    diagonal_a: bool = False
 
     def supports(self, module: nn.Module) -> bool:
         """Whether this module's configuration is supported (e.g. Conv2d with groups=1)."""
@@ -68,8 +71,11 @@ class KFACLayer(ABC):
     def g_factor(self, module: nn.Module, grad_output: Tensor) -> tuple[Tensor, int]:
         """The G factor of one backward call and its weight B (examples) for averaging calls."""
 
-    def with_options(self, options: FactorOptions) -> KFACLayer:
-        """This adapter computing its factors as ``options`` say (self when it has none)."""
+    def with_options(
+        self, options: FactorOptions, *, weight_sharing: WeightSharing = "expand"
+    ) -> KFACLayer:
+        """This adapter computing its factors as ``options`` and ``weight_sharing`` say
+        (self when it has no options)."""
         return self
 
     def has_bias(self, module: nn.Module) -> bool:

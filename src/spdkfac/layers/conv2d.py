@@ -1,4 +1,12 @@
-"""K-FAC factors for ``nn.Conv2d`` (groups=1): A over the B·S patch rows, G = (1/B)ΣₙΣₛ δδᵀ."""
+"""K-FAC factors for ``nn.Conv2d`` (groups=1): A over the B·S patch rows, G = (1/B)ΣₙΣₛ δδᵀ.
+
+The S output positions share the weight: the default (K-FAC-expand, Eschenhagen et al.,
+NeurIPS 2023, Sec. 3) treats each patch as a row of A; K-FAC-reduce averages each
+example's patches and sums its output gradients over the positions first:
+``A = (1/B) Σₙ p̄ₙp̄ₙᵀ``, ``G = (1/B) Σₙ δ̂ₙδ̂ₙᵀ`` with ``δ̂ₙ = B Σₛ gₙₛ`` (``curvlinops``'
+definitions for a loss per example). Grouped convolutions are handled one group at a time
+by :class:`spdkfac.curvature.grouped.GroupedConvBlock` with this adapter's math.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +20,13 @@ from spdkfac.layers.geometry import Conv2dGeometry, Pair
 from spdkfac.layers.gram import conv2d_g_factor_gram
 from spdkfac.layers.methods import conv2d_a_factor_fast
 from spdkfac.layers.options import FactorOptions
+from spdkfac.types import WeightSharing
 
 __all__ = [
     "Conv2dLayer",
     "conv2d_a_factor",
     "conv2d_g_factor",
+    "conv2d_g_factor_reduce",
     "conv2d_geometry",
     "conv2d_patches",
 ]
@@ -65,6 +75,20 @@ def conv2d_g_factor(grad_output: Tensor) -> Tensor:
     return covariance(rows, bias=False).mul_(float(batch) * float(rows.shape[0]))
 
 
+def conv2d_a_factor_reduce(inputs: Tensor, geometry: Conv2dGeometry) -> Tensor:
+    """K-FAC-reduce A: the second moment of each example's mean patch (p̄ = [p, 1])."""
+    patches = conv2d_patches(inputs, geometry)
+    means = patches.view(inputs.shape[0], -1, patches.shape[1]).mean(dim=1)
+    return covariance(means, bias=geometry.bias)
+
+
+def conv2d_g_factor_reduce(grad_output: Tensor) -> Tensor:
+    """K-FAC-reduce G: ``(1/B) Σₙ δ̂ₙδ̂ₙᵀ`` with ``δ̂ₙ = B Σₛ gₙₛ``."""
+    batch = grad_output.shape[0]
+    sums = grad_output.reshape(batch, grad_output.shape[1], -1).sum(dim=2)
+    return covariance(sums, bias=False).mul_(float(batch) * float(batch))
+
+
 def _as_pair(value: int | tuple[int, ...]) -> Pair:
     if isinstance(value, int):
         return (value, value)
@@ -105,40 +129,62 @@ class Conv2dLayer(KFACLayer):
         options: How factors are computed (method, compute dtype); the default picks the
             fastest exact method per layer. ``FactorOptions(method="reference")`` runs
             :func:`conv2d_a_factor` and :func:`conv2d_g_factor`.
+        weight_sharing: ``"expand"`` (patches as rows) or ``"reduce"`` (per-example means).
     """
 
-    module_types = (nn.Conv2d,)
+    module_types: tuple[type[nn.Module], ...] = (nn.Conv2d,)
 
-    def __init__(self, *, options: FactorOptions | None = None) -> None:
+    def __init__(
+        self, *, options: FactorOptions | None = None, weight_sharing: WeightSharing = "expand"
+    ) -> None:
         self.options = FactorOptions() if options is None else options
+        self.weight_sharing = weight_sharing
 
-    def with_options(self, options: FactorOptions) -> Conv2dLayer:
-        return Conv2dLayer(options=options)
+    def with_options(
+        self, options: FactorOptions, *, weight_sharing: WeightSharing = "expand"
+    ) -> Conv2dLayer:
+        return type(self)(options=options, weight_sharing=weight_sharing)
 
     def supports(self, module: nn.Module) -> bool:
-        return isinstance(module, nn.Conv2d) and module.groups == 1
+        return isinstance(module, self.module_types) and getattr(module, "groups", 1) == 1
 
     def a_dim(self, module: nn.Module) -> int:
-        assert isinstance(module, nn.Conv2d)
-        kh, kw = _as_pair(module.kernel_size)
-        return module.in_channels * kh * kw + int(self.has_bias(module))
+        """Inputs per output unit (one group's), plus 1 with a bias."""
+        weight = module.weight
+        assert isinstance(weight, Tensor)
+        return weight[0].numel() + int(self.has_bias(module))
 
     def g_dim(self, module: nn.Module) -> int:
-        assert isinstance(module, nn.Conv2d)
-        return module.out_channels
+        """Output channels (of all groups)."""
+        weight = module.weight
+        assert isinstance(weight, Tensor)
+        return weight.shape[0]
 
-    def a_factor(self, module: nn.Module, inputs: Tensor) -> tuple[Tensor, int]:
+    def geometry(self, module: nn.Module, inputs: Tensor) -> tuple[Tensor, Conv2dGeometry]:
+        """The 4-D input the A functions take and its geometry."""
         assert isinstance(module, nn.Conv2d)
-        inputs, geometry = conv2d_geometry(
+        return conv2d_geometry(
             module, inputs, bias=self.has_bias(module), compute_dtype=self.options.compute_dtype
         )
-        if self.options.method == "reference":
+
+    def grad_4d(self, grad_output: Tensor) -> Tensor:
+        """The output gradient as ``[B, O, oh, ow]``."""
+        return grad_output
+
+    def a_factor(self, module: nn.Module, inputs: Tensor) -> tuple[Tensor, int]:
+        inputs, geometry = self.geometry(module, inputs)
+        if self.weight_sharing == "reduce":
+            factor = conv2d_a_factor_reduce(inputs, geometry)
+        elif self.options.method == "reference":
             factor = conv2d_a_factor(inputs, geometry)
         else:
             factor = conv2d_a_factor_fast(inputs, geometry, options=self.options)
         return factor, inputs.shape[0]
 
     def g_factor(self, module: nn.Module, grad_output: Tensor) -> tuple[Tensor, int]:
+        grad_output = self.grad_4d(grad_output)
+        if self.weight_sharing == "reduce":
+            return conv2d_g_factor_reduce(grad_output), grad_output.shape[0]
         if self.options.method == "reference":
             return conv2d_g_factor(grad_output), grad_output.shape[0]
         factor = conv2d_g_factor_gram(grad_output, compute_dtype=self.options.compute_dtype)

@@ -1,18 +1,22 @@
-"""Model zoo: an MLP, a small CNN, CIFAR ResNets, a wide ResNet and ImageNet CNNs, by name.
+"""Model zoo: an MLP, a small CNN, CIFAR ResNets, a wide ResNet, ImageNet CNNs and a GPT.
 
 Built-in names always build this project's own models; torchvision's are used only when
-asked for with the ``torchvision:`` prefix.
+asked for with the ``torchvision:`` prefix. :func:`model_kind` says what a model reads:
+``"image"`` (float images ``[N, C, H, W]``, one label each) or ``"text"`` (token ids
+``[N, T]``, a next-token target at every position).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any, Literal
 
 from torch import nn
 
 from spdkfac.models.cnn import SmallCNN
 from spdkfac.models.densenet import densenet121, densenet201
+from spdkfac.models.gpt import GPT
 from spdkfac.models.imagenet import resnet50, resnet152
 from spdkfac.models.mlp import MLP
 from spdkfac.models.resnet import (
@@ -27,14 +31,18 @@ from spdkfac.optional import optional_import, require
 
 __all__ = [
     "BUILTIN_MODEL_NAMES",
+    "GPT",
     "IMAGENET_MODELS",
     "MLP",
     "MODEL_NAMES",
+    "TEXT_MODELS",
     "TORCHVISION_PREFIX",
     "BasicBlock",
     "CifarResNet",
+    "ModelKind",
     "SmallCNN",
     "build_model",
+    "model_kind",
     "optional_torchvision_models",
     "resnet20",
     "resnet32",
@@ -77,38 +85,67 @@ IMAGENET_MODELS: dict[str, Callable[..., nn.Module]] = {
     "densenet201": densenet201,
 }
 
+#: Language models (token ids in, next-token logits out), built from keyword sizes.
+TEXT_MODELS: dict[str, Callable[..., nn.Module]] = {"gpt": GPT}
+
 #: Every name :func:`build_model` resolves to this project's own implementation.
-BUILTIN_MODEL_NAMES: tuple[str, ...] = (*MODEL_NAMES, *IMAGENET_MODELS)
+BUILTIN_MODEL_NAMES: tuple[str, ...] = (*MODEL_NAMES, *IMAGENET_MODELS, *TEXT_MODELS)
+
+#: What a model reads: images (``[N, C, H, W]``) or token ids (``[N, T]``).
+ModelKind = Literal["image", "text"]
 
 #: Prefix asking for a ``torchvision.models`` model explicitly (``"torchvision:resnet50"``).
 TORCHVISION_PREFIX = "torchvision:"
 
 
+def model_kind(name: str) -> ModelKind:
+    """``"text"`` for a name in :data:`TEXT_MODELS`, else ``"image"`` (case-insensitive)."""
+    return "text" if name.lower() in TEXT_MODELS else "image"
+
+
 def build_model(
-    name: str, *, num_classes: int = 10, in_channels: int = 1, input_size: int = 28
+    name: str,
+    *,
+    num_classes: int = 10,
+    in_channels: int = 1,
+    input_size: int = 28,
+    **text_options: Any,
 ) -> nn.Module:
     """Build a freshly initialized model by name.
 
-    Built-in names (:data:`BUILTIN_MODEL_NAMES`: the CIFAR models and the ImageNet
-    ``resnet50``, ``resnet152``, ``densenet121``, ``densenet201``) always build this
-    project's own implementation, whether or not torchvision is installed.
-    ``"torchvision:<name>"`` builds ``torchvision.models.get_model(<name>)`` without
-    pretrained weights (3-channel input); it needs a working torchvision.
+    Built-in names (:data:`BUILTIN_MODEL_NAMES`: the CIFAR models, the ImageNet
+    ``resnet50``, ``resnet152``, ``densenet121``, ``densenet201`` and the text model
+    ``gpt``) always build this project's own implementation, whether or not torchvision is
+    installed. ``"torchvision:<name>"`` builds ``torchvision.models.get_model(<name>)``
+    without pretrained weights (3-channel input); it needs a working torchvision.
 
     Args:
         name: Model name, case-insensitive.
-        num_classes: Number of output logits.
-        in_channels: Channels of the input images.
-        input_size: Height and width of the (square) input images.
+        num_classes: Number of output logits (image models).
+        in_channels: Channels of the input images (image models).
+        input_size: Height and width of the (square) input images (image models).
+        text_options: The constructor's keyword arguments of a text model (for ``gpt``:
+            ``vocab_size``, ``block_size``, ``n_layer``, ``n_head``, ``d_model``,
+            ``mlp_ratio``, ``dropout``, ``tie_weights``); text models ignore the image
+            arguments, image models refuse these.
 
     Returns:
         The model, in training mode.
 
     Raises:
-        ValueError: If the name is unknown or a size argument is not positive.
+        ValueError: If the name is unknown, a size argument is not positive, or
+            ``text_options`` are given for an image model.
         OptionalPackageError: A ``torchvision:`` name without a working torchvision (also a
             ``ValueError``).
     """
+    key = name.lower()
+    text = TEXT_MODELS.get(key)
+    if text is not None:
+        return text(**text_options)
+    if text_options:
+        raise ValueError(
+            f"model {name!r} is an image model; it takes no {', '.join(sorted(text_options))}"
+        )
     for arg_name, value in (
         ("num_classes", num_classes),
         ("in_channels", in_channels),
@@ -116,7 +153,6 @@ def build_model(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg_name} must be a positive int, got {value!r}")
-    key = name.lower()
     if key.startswith(TORCHVISION_PREFIX):
         builder = torchvision_builder(key[len(TORCHVISION_PREFIX) :])
         if in_channels != 3:

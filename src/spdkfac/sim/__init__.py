@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from spdkfac.sim.clusters import NETWORKS
+from spdkfac.sim.collectives import (
+    CollectiveOp,
+    Flat,
+    Hierarchical,
+    Link,
+    Shape,
+    Topology,
+)
 from spdkfac.sim.engine import simulate
 from spdkfac.sim.hardware import CommunicationModel, DeviceModel, Hardware
 from spdkfac.sim.measured import MeasuredCompute, measure_compute
-from spdkfac.sim.presets import PRESETS, cpu_preset, paper_preset, resolve_hardware
+from spdkfac.sim.network import Anchor, CollectiveCost, Network, NetworkModel
+from spdkfac.sim.presets import (
+    PRESETS,
+    cluster_preset,
+    cpu_preset,
+    paper_preset,
+    resolve_hardware,
+)
 from spdkfac.sim.profiled import ProfiledCompute, events_from_chrome_trace
 from spdkfac.sim.program import (
     Close,
@@ -25,8 +41,12 @@ from spdkfac.sim.report import (
     write_trace,
 )
 from spdkfac.sim.simulator import (
+    MAX_RANK_PROGRAMS,
+    MAX_WORKERS,
     IterationKind,
     StrategyResult,
+    rank_classes,
+    rank_programs,
     simulate_strategies,
     simulate_strategy,
 )
@@ -48,31 +68,45 @@ from spdkfac.sim.zoo import SIM_MODEL_NAMES, model_by_name, workload_for
 
 __all__ = [
     "DEFAULT_STRATEGIES",
+    "MAX_RANK_PROGRAMS",
+    "MAX_WORKERS",
+    "NETWORKS",
     "PRESETS",
     "SIM_MODEL_NAMES",
     "STRATEGY_TABLE",
+    "Anchor",
     "Close",
     "Collective",
+    "CollectiveCost",
+    "CollectiveOp",
     "CommunicationModel",
     "Compute",
     "DeviceModel",
     "FactorHook",
+    "Flat",
     "GradReady",
     "Hardware",
+    "Hierarchical",
     "Issue",
     "IterationKind",
     "LayerSpec",
+    "Link",
     "MeasuredCompute",
+    "Network",
+    "NetworkModel",
     "Op",
     "Open",
     "ProfiledCompute",
     "Program",
+    "Shape",
     "SimulationResult",
     "SimulationRun",
     "Strategy",
     "StrategyResult",
+    "Topology",
     "Wait",
     "Workload",
+    "cluster_preset",
     "cpu_preset",
     "events_from_chrome_trace",
     "inverse_phase_seconds",
@@ -81,6 +115,8 @@ __all__ = [
     "model_by_name",
     "paper_preset",
     "parse_strategies",
+    "rank_classes",
+    "rank_programs",
     "resolve_hardware",
     "results_to_json",
     "simulate",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal
@@ -16,6 +16,8 @@ from spdkfac.costmodel import (
     FactorTimeModel,
     PolynomialInverseModel,
 )
+from spdkfac.sim.collectives import CollectiveOp
+from spdkfac.sim.network import CollectiveCost, Network
 from spdkfac.sim.workload import LayerSpec, Op, Workload
 
 __all__ = ["CommunicationModel", "DeviceModel", "Hardware"]
@@ -82,7 +84,10 @@ class DeviceModel:
 
 @dataclass(frozen=True)
 class CommunicationModel:
-    """Broadcast and all-reduce α-β models per world size.
+    """Broadcast and all-reduce α-β models per world size (a :class:`Network`).
+
+    A reduce-scatter and an all-gather each cost half the all-reduce's α and β (a ring
+    all-reduce is a reduce-scatter followed by an all-gather).
 
     Attributes:
         measured: World size → (broadcast, all-reduce), as calibrated.
@@ -122,6 +127,34 @@ class CommunicationModel:
             AlphaBetaModel(alpha=allreduce.alpha * steps, beta=allreduce.beta * share),
         )
 
+    def cost(self, op: CollectiveOp, world_size: int) -> CollectiveCost:
+        """The cost of ``op`` on ``world_size`` ranks (one line: the measured one)."""
+        line = _FROM_PAIR[op](*self.at(world_size))
+        return CollectiveCost.of(("measured",), (line,))
+
+    def calibrated(
+        self, measured: Mapping[int, tuple[AlphaBetaModel, AlphaBetaModel]]
+    ) -> CommunicationModel:
+        """Lines measured elsewhere, reached by the same scaling."""
+        return CommunicationModel(measured, scaling=self.scaling)
+
+
+def _half(line: AlphaBetaModel) -> AlphaBetaModel:
+    return AlphaBetaModel(alpha=line.alpha / 2, beta=line.beta / 2)
+
+
+#: Collective → its line from a measured (broadcast, all-reduce) pair.
+_FROM_PAIR: Mapping[CollectiveOp, Callable[[AlphaBetaModel, AlphaBetaModel], AlphaBetaModel]] = (
+    MappingProxyType(
+        {
+            CollectiveOp.BROADCAST: lambda broadcast, _: broadcast,
+            CollectiveOp.ALL_REDUCE: lambda _, allreduce: allreduce,
+            CollectiveOp.REDUCE_SCATTER: lambda _, allreduce: _half(allreduce),
+            CollectiveOp.ALL_GATHER: lambda _, allreduce: _half(allreduce),
+        }
+    )
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Hardware:
@@ -135,7 +168,9 @@ class Hardware:
         factor_layers_for: ``(model, batch size, example shape)`` the per-layer factor
             measurements were taken on; other workloads use the rate lines.
         inverse: Damped-inverse time vs dimension.
-        communication: Collective costs per world size (what collectives take).
+        communication: Collective costs per world size (what collectives take): measured
+            α-β lines (:class:`CommunicationModel`) or a cluster's topology
+            (:class:`~spdkfac.sim.network.NetworkModel`).
         planning: The collective costs the real run plans with (its fusion and placement
             decisions), when they differ from ``communication``; None: the same.
         bytes_per_element: Bytes of one communicated element.
@@ -189,8 +224,8 @@ class Hardware:
     factor: FactorTimeModel
     factor_layers_for: tuple[str, int, tuple[int, ...]] | None = None
     inverse: PolynomialInverseModel
-    communication: CommunicationModel
-    planning: CommunicationModel | None = None
+    communication: Network
+    planning: Network | None = None
     bytes_per_element: int = 4
     bookkeeping: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     bookkeeping_scale: float = 1.0
@@ -262,14 +297,23 @@ class Hardware:
         return self.phase_jitter.get(phase, self.jitter)
 
     def cost_model(self, world_size: int) -> CostModel:
-        """The :class:`CostModel` a real run on this hardware would plan with."""
-        broadcast, allreduce = (self.planning or self.communication).at(world_size)
+        """The :class:`CostModel` a real run on this hardware would plan with.
+
+        Its broadcast and all-reduce are :class:`~spdkfac.sim.network.CollectiveCost` s at
+        ``world_size``: the placement's broadcast-or-invert test and the fusion's merge rule
+        see the cheapest algorithm for each message, so plans follow the world size.
+        """
+        network = self.planning or self.communication
         return CostModel(
             inverse=self.inverse,
-            broadcast=broadcast,
-            allreduce=allreduce,
+            broadcast=network.cost(CollectiveOp.BROADCAST, world_size),
+            allreduce=network.cost(CollectiveOp.ALL_REDUCE, world_size),
             bytes_per_element=self.bytes_per_element,
         )
+
+    def collective(self, op: CollectiveOp, world_size: int) -> CollectiveCost:
+        """What ``op`` takes on ``world_size`` ranks of this hardware."""
+        return self.communication.cost(op, world_size)
 
     def factor_seconds(self, workload: Workload, layer: LayerSpec, kind: str) -> float:
         """Seconds of ``layer``'s A or G product in ``workload`` (plus the hook overhead)."""
@@ -291,7 +335,7 @@ class Hardware:
         communication = self.communication
         measured = {size: pair for size, pair in calibration.communication.items() if size > 1}
         if measured:
-            communication = CommunicationModel(measured, scaling=self.communication.scaling)
+            communication = communication.calibrated(measured)
         factor, layers_for = self.factor, self.factor_layers_for
         if calibration.factor is not None:
             factor = calibration.factor

@@ -1,4 +1,5 @@
-"""Named hardware presets: this project's CPU machine and the SPD-KFAC paper's GPU cluster.
+"""Named hardware presets: this project's CPU machine, the SPD-KFAC paper's GPU cluster, and
+the paper's GPUs on other networks.
 
 ``cpu``: the 2-core x86_64 VM the project is developed on, one torch thread per rank,
 gloo on loopback. Inverse, factor-product lines and the 2-rank collectives are the fits of
@@ -11,10 +12,12 @@ collectives as a ring all-reduce and a tree broadcast. For a model you can run h
 ``--measured`` (``benchmarks/measure_sim_compute.py``) replaces the roofline by its own
 per-op times.
 
-``paper``: 64 RTX2080Ti GPUs over 100 Gb/s InfiniBand with the paper's all-reduce
-constants; compute rates fitted to the paper's ResNet-50 breakdown by
-:func:`spdkfac.sim.paper.derive_paper_hardware` (see that module for what is assumed and
-what is calibration). Its collectives are the same at every world size, as in the paper.
+``paper``: RTX2080Ti GPUs, 4 per node, over 100 Gb/s InfiniBand; compute rates fitted to
+the paper's ResNet-50 breakdown by :func:`spdkfac.sim.paper.derive_paper_hardware` (see
+that module for what is assumed and what is calibration). Its collectives are the paper's
+α-β lines at 64 GPUs and follow a ring across the 4-GPU nodes at other world sizes
+(:mod:`spdkfac.sim.clusters`). ``paper-nccl``, ``ib100``, ``ib200``, ``ib400``, ``eth10``:
+the same GPUs on the other networks of :data:`~spdkfac.sim.clusters.NETWORKS`.
 
 There is no GPU preset measured on our own hardware: no GPU was available when the
 simulator was written. ``spdkfac simulate --cost-model PATH`` replaces a preset's inverse,
@@ -24,6 +27,8 @@ collectives and factor times with a calibration file's.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 
 from spdkfac.costmodel import (
     AlphaBetaModel,
@@ -32,10 +37,10 @@ from spdkfac.costmodel import (
     FlopRateModel,
     PolynomialInverseModel,
 )
+from spdkfac.sim.clusters import NETWORKS
 from spdkfac.sim.hardware import CommunicationModel, DeviceModel, Hardware
-from spdkfac.sim.paper import PAPER_ALLREDUCE, PAPER_BROADCAST
 
-__all__ = ["PRESETS", "cpu_preset", "paper_preset", "resolve_hardware"]
+__all__ = ["PRESETS", "cluster_preset", "cpu_preset", "paper_preset", "resolve_hardware"]
 
 
 # Measured by benchmarks/calibrate_sim_cpu.py with two processes at once, one thread each
@@ -129,12 +134,29 @@ def paper_preset() -> Hardware:
     """The SPD-KFAC paper's 64-GPU cluster (see :mod:`spdkfac.sim.paper`).
 
     The constants are :func:`~spdkfac.sim.paper.derive_paper_hardware` on ResNet-50 at
-    batch 32, rounded to four digits (``tests/sim/test_presets.py`` re-derives them).
+    batch 32, rounded to four digits (``tests/sim/test_presets.py`` re-derives them). Its
+    network is :data:`~spdkfac.sim.clusters.NETWORKS` ``["paper"]``: the paper's own α-β
+    lines at 64 GPUs, a ring across 4-GPU nodes elsewhere.
+    """
+    return replace(
+        cluster_preset("paper"),
+        name="paper",
+        description="SPD-KFAC paper cluster: RTX2080Ti, 4 per node, 100 Gb/s InfiniBand",
+    )
+
+
+def cluster_preset(network: str) -> Hardware:
+    """The paper's GPUs (RTX 2080 Ti compute fitted to its ResNet-50 breakdown) on the
+    named network of :data:`~spdkfac.sim.clusters.NETWORKS`.
+
+    Only the network differs between these presets: they answer "what would the paper's
+    workers do on that cluster", not how faster GPUs would fare.
     """
     factor = FlopRateModel(PAPER_FACTOR_FLOPS, 1e-4)
+    model = NETWORKS[network]
     return Hardware(
-        name="paper",
-        description="SPD-KFAC paper cluster: 64x RTX2080Ti, 100 Gb/s InfiniBand",
+        name=network,
+        description=f"RTX2080Ti compute (SPD-KFAC paper fit); {model.description}",
         device=DeviceModel(
             gemm_flops_per_second=PAPER_GEMM_FLOPS,
             memory_bytes_per_second=460e9,
@@ -142,13 +164,18 @@ def paper_preset() -> Hardware:
         ),
         factor=FactorTimeModel(a_rate=factor, g_rate=factor),
         inverse=PolynomialInverseModel(c0=PAPER_INVERSE_C0, c2=0.0, c3=PAPER_INVERSE_C3),
-        communication=CommunicationModel({64: (PAPER_BROADCAST, PAPER_ALLREDUCE)}),
+        communication=model,
         broadcast_buffers=False,  # Horovod keeps buffers local
     )
 
 
-#: Preset name → builder.
-PRESETS: dict[str, Callable[[], Hardware]] = {"cpu": cpu_preset, "paper": paper_preset}
+#: Preset name → builder: ``cpu``, ``paper``, and the paper's GPUs on every other network
+#: of :data:`~spdkfac.sim.clusters.NETWORKS`.
+PRESETS: dict[str, Callable[[], Hardware]] = {
+    "cpu": cpu_preset,
+    "paper": paper_preset,
+    **{name: partial(cluster_preset, name) for name in NETWORKS if name != "paper"},
+}
 
 
 def resolve_hardware(preset: str, cost_model: str | None = None) -> Hardware:

@@ -46,6 +46,16 @@ def _entry(run: SimulationRun, result: StrategyResult) -> dict[str, Any]:
         "preset": run.preset,
         "iteration_s": result.iteration_s,
         "breakdown": dict(result.breakdown),
+        "kinds": [
+            {
+                "factor_step": kind.factor_step,
+                "inverse_step": kind.inverse_step,
+                "count": kind.count,
+                "iteration_s": kind.seconds,
+                "simulated_ranks": kind.simulated_ranks,
+            }
+            for kind in result.kinds
+        ],
         "plan": result.plan,
         "factor_buckets": result.factor_buckets,
         "grad_buckets": result.grad_buckets,
@@ -53,19 +63,15 @@ def _entry(run: SimulationRun, result: StrategyResult) -> dict[str, Any]:
 
 
 def results_to_json(runs: Sequence[SimulationRun]) -> dict[str, Any]:
-    """One object keyed by strategy.
-
-    Each value holds ``iteration_s`` and ``breakdown`` (seconds per category) of the first
-    run (first model, first worker count) plus ``runs``: the same for every model and
-    worker count simulated.
-    """
+    """One object keyed by strategy; each value is ``{"runs": [...]}``, one entry per model
+    and worker count simulated (in that order), each with its own ``model``,
+    ``batch_size``, ``workers``, ``preset``, ``iteration_s`` (mean over the refresh
+    cycle), ``breakdown`` (seconds per category), ``kinds`` (each distinct iteration of
+    the cycle), ``plan`` and bucket counts."""
     document: dict[str, Any] = {}
     for run in runs:
         for name, result in run.results.items():
-            entry = _entry(run, result)
-            if name not in document:
-                document[name] = {**entry, "runs": []}
-            document[name]["runs"].append(entry)
+            document.setdefault(name, {"runs": []})["runs"].append(_entry(run, result))
     return document
 
 

@@ -13,15 +13,34 @@ from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.engine import simulate
 from spdkfac.sim.hardware import Hardware
 from spdkfac.sim.strategies import STRATEGY_TABLE, Strategy, StrategySetup, prepare
-from spdkfac.sim.timeline import JITTER_PHASES, build_iteration
+from spdkfac.sim.timeline import JITTER_PHASES, build_iteration, rank_speeds
 from spdkfac.sim.workload import Workload
 
-__all__ = ["IterationKind", "StrategyResult", "simulate_strategies", "simulate_strategy"]
+__all__ = [
+    "FULL_TIMELINE_RANKS",
+    "MAX_RANK_PROGRAMS",
+    "MAX_WORKERS",
+    "IterationKind",
+    "StrategyResult",
+    "rank_classes",
+    "rank_programs",
+    "simulate_strategies",
+    "simulate_strategy",
+]
 
 _MAX_CYCLE = 100_000
 #: Rank-iterations drawn per kind with jitter or a contention spread (fixed seed:
 #: reproducible): ``max(8, JITTER_SAMPLES / world size)`` iterations, each of every rank.
 JITTER_SAMPLES = 96
+#: Largest world size :func:`simulate_strategy` takes. With identical ranks it simulates one
+#: rank per class (the inverse owners and one more), so this bounds only the O(P) planning.
+MAX_WORKERS = 65_536
+#: Rank programs per kind of iteration (all draws together) above which ``spdkfac
+#: simulate`` refuses a run whose ranks all differ (about 30 s per 1,000 on ResNet-50).
+MAX_RANK_PROGRAMS = 2048
+#: World sizes up to which ``StrategyResult.events`` holds every rank's timeline; above,
+#: one rank per class of identical ranks (the classes' first ranks).
+FULL_TIMELINE_RANKS = 16
 
 
 @dataclass(frozen=True)
@@ -34,6 +53,7 @@ class IterationKind:
         count: Iterations of this kind per cycle.
         seconds: Simulated time of one such iteration (slowest rank).
         breakdown: Its seconds per category, averaged over ranks.
+        simulated_ranks: Distinct rank programs simulated (classes of identical ranks).
     """
 
     factor_step: bool
@@ -41,6 +61,7 @@ class IterationKind:
     count: int
     seconds: float
     breakdown: Mapping[str, float]
+    simulated_ranks: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,7 +74,9 @@ class StrategyResult:
         iteration_s: Mean iteration time over a refresh cycle.
         breakdown: Mean seconds per iteration in :data:`~spdkfac.profiling.BREAKDOWN_CATEGORIES`.
         kinds: The distinct iterations of the cycle.
-        events: Timeline of each distinct iteration, laid end to end (for a trace).
+        events: Timeline of each distinct iteration, laid end to end (for a trace): of
+            every rank up to :data:`FULL_TIMELINE_RANKS` ranks, above of the first rank of
+            each class of identical ranks.
         plan: The inverse placement's summary ("" for SGD).
         factor_buckets: Factor all-reduces per factor step (None: SGD or one rank).
         grad_buckets: Gradient all-reduces per iteration.
@@ -89,8 +112,9 @@ def _cycle(factor_update_steps: int, inv_update_steps: int) -> dict[tuple[bool, 
 
 def _run_kind(
     setup: StrategySetup, factor_step: bool, inverse_step: bool
-) -> tuple[list[Event], float, dict[str, float]]:
-    """One kind of iteration: its timeline (the first draw), mean time and breakdown.
+) -> tuple[list[Event], float, dict[str, float], int]:
+    """One kind of iteration: its timeline (the first draw), mean time, breakdown and the
+    number of distinct rank programs simulated (:func:`rank_classes`; the first draw's).
 
     With jitter (``Hardware.jitter_of``) each phase's compute of each rank in each drawn
     iteration is scaled by ``1 + jitter·z`` and with ``Hardware.contention_spread`` > 0
@@ -98,15 +122,16 @@ def _run_kind(
     normal, independent per rank, phase and iteration, from a fixed seed; factors kept
     >= 0.5 and >= 0), so ranks reach every collective at different times, as they do on
     real machines; the results are means over the draws (see :data:`JITTER_SAMPLES`).
+    Each draw simulates one rank per class of identical ranks (:func:`rank_classes`).
     """
     hardware = setup.costs.hardware
     world = setup.costs.world_size
     draws: list[tuple[list[dict[str, float]], list[float]] | None] = [None]
     jitter: dict[str, float] = {phase: hardware.jitter_of(phase) for phase in JITTER_PHASES}
-    if (any(jitter.values()) or hardware.contention_spread > 0) and world > 1:
+    if _draws(hardware, world) > 1:
         rng = random.Random(1000 * factor_step + inverse_step)
         draws = []
-        for _ in range(max(8, math.ceil(JITTER_SAMPLES / world))):
+        for _ in range(_draws(hardware, world)):
             speed = [
                 {p: max(0.5, 1.0 + sd * rng.gauss(0.0, 1.0)) for p, sd in jitter.items()}
                 for _ in range(world)
@@ -117,25 +142,101 @@ def _run_kind(
     timeline: list[Event] = []
     seconds = 0.0
     totals = dict.fromkeys(BREAKDOWN_CATEGORIES, 0.0)
+    simulated = 0
     for draw in draws:
+        scales = None if draw is None else draw[0]
+        hits = None if draw is None else draw[1]
+        classes = rank_classes(setup, inverse_step=inverse_step, jitter=scales, sensitivity=hits)
+        ranks = [members[0] for members in classes]
         programs, collectives = build_iteration(
-            setup,
-            factor_step=factor_step,
-            inverse_step=inverse_step,
-            jitter=None if draw is None else draw[0],
+            setup, factor_step=factor_step, inverse_step=inverse_step, jitter=scales, ranks=ranks
         )
-        events = simulate(
+        result = simulate(
             programs,
             collectives,
             overlap=hardware.overlap,
             contention=hardware.contention,
-            sensitivity=None if draw is None else draw[1],
-        ).events
-        timeline = timeline or events
-        seconds += max((event.end for event in events), default=0.0) / len(draws)
-        for category, value in breakdown(events, 1).items():
-            totals[category] += value / len(draws)
-    return timeline, seconds, totals
+            sensitivity=None if hits is None else [hits[rank] for rank in ranks],
+        )
+        by_class: list[list[Event]] = [[] for _ in classes]
+        for event in result.events:
+            by_class[event.rank].append(event)
+        if not timeline:
+            timeline = _timeline(by_class, classes, expand=world <= FULL_TIMELINE_RANKS)
+            simulated = len(classes)
+        seconds += max((event.end for event in result.events), default=0.0) / len(draws)
+        for members, events in zip(classes, by_class, strict=True):
+            weight = len(members) / world / len(draws)
+            for category, value in breakdown(events, 1).items():
+                totals[category] += weight * value
+    return timeline, seconds, totals, simulated
+
+
+def _draws(hardware: Hardware, world_size: int) -> int:
+    """Iterations drawn per kind: several when compute or contention vary per iteration."""
+    varies = any(hardware.jitter_of(phase) for phase in JITTER_PHASES)
+    if (varies or hardware.contention_spread > 0) and world_size > 1:
+        return max(8, math.ceil(JITTER_SAMPLES / world_size))
+    return 1
+
+
+def rank_programs(hardware: Hardware, world_size: int) -> int | None:
+    """Rank programs one kind of iteration simulates (all draws together) when every rank
+    differs (a rank spread, jitter or a contention spread); None when ranks are identical
+    but for their inverse broadcasts, where :func:`rank_classes` keeps it small."""
+    draws = _draws(hardware, world_size)
+    if draws == 1 and (hardware.rank_spread == 0 or world_size < 2):
+        return None
+    return draws * world_size
+
+
+def rank_classes(
+    setup: StrategySetup,
+    *,
+    inverse_step: bool,
+    jitter: Sequence[Mapping[str, float]] | None = None,
+    sensitivity: Sequence[float] | None = None,
+) -> tuple[tuple[int, ...], ...]:
+    """The ranks of ``setup``'s world in classes of identical programs (by first rank).
+
+    A rank's program depends only on the inverse broadcasts it owns (on inverse steps), its
+    compute speed (``Hardware.rank_spread``) and this iteration's draws (``jitter``, the
+    contention ``sensitivity``). Every collective spans every rank, and the engine's rates
+    depend on its participants only through whether any computes and how many collectives
+    each is in, which members of a class share. So one rank per class, with collectives
+    among the representatives, gives exactly every rank's timeline: at 1,024 workers a
+    round-robin placement of ResNet-50's 108 factors has 109 classes, D-KFAC one.
+    """
+    world = setup.costs.world_size
+    speeds = rank_speeds(world, setup.costs.hardware.rank_spread)
+    owned: dict[int, list[int]] = {}
+    if inverse_step and setup.strategy.uses_kfac:
+        for index, group in enumerate(setup.groups):
+            owned.setdefault(group.owner, []).append(index)
+    classes: dict[tuple[object, ...], list[int]] = {}
+    for rank in range(world):
+        key = (
+            tuple(owned.get(rank, ())),
+            speeds[rank],
+            () if jitter is None else tuple(sorted(jitter[rank].items())),
+            1.0 if sensitivity is None else sensitivity[rank],
+        )
+        classes.setdefault(key, []).append(rank)
+    return tuple(tuple(members) for members in classes.values())
+
+
+def _timeline(
+    by_class: list[list[Event]], classes: tuple[tuple[int, ...], ...], *, expand: bool
+) -> list[Event]:
+    """Engine events (rank = class position) on real ranks: every member of each class
+    when ``expand``, else the class's first rank alone."""
+    events = [
+        Event(event.name, rank, event.start, event.duration)
+        for members, class_events in zip(classes, by_class, strict=True)
+        for rank in (members if expand else members[:1])
+        for event in class_events
+    ]
+    return sorted(events, key=lambda e: (e.rank, e.start, -e.duration))
 
 
 def _summary(setup: StrategySetup) -> str:
@@ -177,6 +278,8 @@ def simulate_strategy(
         strategy = STRATEGY_TABLE[strategy]
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if world_size > MAX_WORKERS:
+        raise ValueError(f"world_size must be <= {MAX_WORKERS}, got {world_size}")
     counts = _cycle(factor_update_steps, inv_update_steps)
     if not strategy.uses_kfac:
         counts = {(False, False): 1}
@@ -185,8 +288,8 @@ def simulate_strategy(
     timeline: list[Event] = []
     offset = 0.0
     for (factor_step, inverse_step), count in sorted(counts.items(), reverse=True):
-        events, seconds, split = _run_kind(setup, factor_step, inverse_step)
-        kinds.append(IterationKind(factor_step, inverse_step, count, seconds, split))
+        events, seconds, split, simulated = _run_kind(setup, factor_step, inverse_step)
+        kinds.append(IterationKind(factor_step, inverse_step, count, seconds, split, simulated))
         timeline.extend(Event(e.name, e.rank, e.start + offset, e.duration) for e in events)
         offset += max((event.end for event in events), default=0.0)
     total = sum(kind.count for kind in kinds)

@@ -27,6 +27,12 @@ faster ranks wait at every collective. Pipelined buckets use a ``factor`` channe
 own (the real run gives them a second process group; ``Hardware.single_queue`` puts them
 on the ``default`` one, as Horovod would); everything else shares the ``default`` channel.
 Transfers on different channels share each rank's link (see :mod:`spdkfac.sim.engine`).
+
+Every collective is costed at the real world size by ``Hardware.collective(op, P)``: the
+cheapest algorithm for its message of the preset's network, for any
+:class:`~spdkfac.sim.collectives.CollectiveOp` (all-reduce, broadcast, reduce-scatter,
+all-gather), so a strategy that reduce-scatters factors or all-gathers results adds its
+phase here with ``_Builder.collective(label, channel, op, nbytes)``.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from dataclasses import replace
 from spdkfac.linalg import packed_size
 from spdkfac.placement import EVERY_RANK
 from spdkfac.profiling import Phase, phase_of, span_name
+from spdkfac.sim.collectives import CollectiveOp
 from spdkfac.sim.program import Close, Collective, Compute, Instruction, Issue, Open, Wait
 from spdkfac.sim.strategies import StrategySetup
 from spdkfac.sim.workload import FactorHook, GradReady, Op
@@ -46,25 +53,30 @@ __all__ = ["build_iteration"]
 
 
 class _Builder:
-    def __init__(self, setup: StrategySetup) -> None:
+    """Collects the collectives of one iteration; ``ranks`` are the ranks given programs."""
+
+    def __init__(self, setup: StrategySetup, ranks: Sequence[int]) -> None:
         self.setup = setup
         self.costs = setup.costs
-        self.world = tuple(range(setup.costs.world_size))
-        broadcast, allreduce = setup.costs.hardware.communication.at(len(self.world))
-        self.models = {"broadcast": broadcast, "allreduce": allreduce}
+        self.world_size = setup.costs.world_size
+        self.participants = tuple(range(len(ranks)))  # engine ranks: positions in ``ranks``
+        hardware = setup.costs.hardware
+        self.prices = {op: hardware.collective(op, self.world_size) for op in CollectiveOp}
         self.collectives: list[Collective] = []
 
-    def collective(self, label: str, channel: str, kind: str, nbytes: float) -> int:
-        model = self.models[kind]
+    def collective(self, label: str, channel: str, op: CollectiveOp, nbytes: float) -> int:
+        """Add ``op`` on every rank moving ``nbytes`` bytes (the whole buffer), costed by
+        the cheapest algorithm for that size; returns its index."""
+        _, line = self.prices[op].choose(nbytes)
         hardware = self.costs.hardware
-        broadcast = kind == "broadcast"
+        broadcast = op is CollectiveOp.BROADCAST
         self.collectives.append(
             Collective(
                 label,
                 channel,
-                self.world,
-                model.alpha,
-                model.beta * nbytes,
+                self.participants,
+                line.alpha,
+                line.beta * nbytes,
                 overlap=hardware.broadcast_overlap if broadcast else None,
                 contention=hardware.broadcast_contention if broadcast else None,
             )
@@ -115,13 +127,13 @@ def _passes(builder: _Builder, factor_step: bool, out: list[Instruction]) -> _La
     """Forward and backward; returns the factor buckets' launcher (None: no exchange)."""
     setup, costs = builder.setup, builder.costs
     workload = costs.workload
-    multi = len(builder.world) > 1
+    multi = builder.world_size > 1
     numel = dict(workload.parameters)
     grad_ids = [
         builder.collective(
             f"grad bucket {index}",
             "default",
-            "allreduce",
+            CollectiveOp.ALL_REDUCE,
             4.0 * sum(numel[name] for name in bucket),
         )
         for index, bucket in enumerate(setup.grad_buckets)
@@ -138,7 +150,7 @@ def _passes(builder: _Builder, factor_step: bool, out: list[Instruction]) -> _La
             builder.collective(
                 f"factor bucket {index}",
                 channel,
-                "allreduce",
+                CollectiveOp.ALL_REDUCE,
                 4.0 * sum(packed_size(dims[key]) for key in bucket),
             )
             for index, bucket in enumerate(fusion.buckets)
@@ -148,7 +160,9 @@ def _passes(builder: _Builder, factor_step: bool, out: list[Instruction]) -> _La
     handed: set[str] = set()
     out.append(Open(span_name(Phase.FORWARD_BACKWARD)))
     if multi and workload.buffer_bytes and costs.hardware.broadcast_buffers:
-        buffers = builder.collective("buffers", "default", "broadcast", workload.buffer_bytes)
+        buffers = builder.collective(
+            "buffers", "default", CollectiveOp.BROADCAST, workload.buffer_bytes
+        )
         _issue(builder, buffers, out)
         out.append(Wait((buffers,)))
     for item in (*workload.forward, *workload.backward):
@@ -185,7 +199,7 @@ def _factor_phase(builder: _Builder, factors: _Launcher | None, out: list[Instru
         channel = _factor_channel(builder)
         factors.flush(out, force=True)  # finish(): the rest, in plan order
         weights = builder.collective(
-            "factor weights", channel, "allreduce", 8.0 * (2 * len(layers) + 1)
+            "factor weights", channel, CollectiveOp.ALL_REDUCE, 8.0 * (2 * len(layers) + 1)
         )
         _issue(builder, weights, out)
         out.append(Wait((*factors.ids, weights), span_name(Phase.FACTOR_COMM, "wait")))
@@ -198,7 +212,7 @@ def _inverse_phase(builder: _Builder, rank: int, out: list[Instruction], ids: li
     plan = setup.plan
     assert plan is not None
     dims = {spec.key: spec.dim for spec in plan.factors}
-    if len(builder.world) == 1:
+    if builder.world_size == 1:
         for spec in plan.factors:
             out.append(
                 Compute(
@@ -236,6 +250,7 @@ def build_iteration(
     factor_step: bool,
     inverse_step: bool,
     jitter: Sequence[Mapping[str, float]] | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> tuple[list[list[Instruction]], list[Collective]]:
     """Programs of every rank and the collectives for one iteration of ``setup``.
 
@@ -245,8 +260,14 @@ def build_iteration(
         inverse_step: Whether inverses are recomputed this iteration.
         jitter: Per rank, a further factor on its compute times this iteration, by phase
             (:data:`JITTER_PHASES`; a missing phase: 1).
+        ranks: The ranks to build programs for, one each in this order (default: every
+            rank). Collectives still cost what they cost on every rank, but their
+            participants are the positions in ``ranks``: simulating one rank of each class
+            of identical ranks (:func:`~spdkfac.sim.simulator.rank_classes`) then gives
+            exactly the timelines of the whole world.
     """
-    builder = _Builder(setup)
+    ranks = range(setup.costs.world_size) if ranks is None else ranks
+    builder = _Builder(setup, ranks)
     costs = builder.costs
     workload = costs.workload
     kfac = setup.strategy.uses_kfac
@@ -257,24 +278,24 @@ def build_iteration(
         prefix.append(Compute(costs.step_prologue(factor_step)))
         if factor_step:
             _factor_phase(builder, factors, prefix)
-        elif len(builder.world) > 1:
-            flag = builder.collective("skip flag", "default", "allreduce", 4.0)
+        elif builder.world_size > 1:
+            flag = builder.collective("skip flag", "default", CollectiveOp.ALL_REDUCE, 4.0)
             _issue(builder, flag, prefix)
             prefix.append(Wait((flag,), span_name(Phase.FLAG_COMM, "skip")))
     inverse_ids: list[int] = []
-    if kfac and inverse_step and len(builder.world) > 1:
+    if kfac and inverse_step and builder.world_size > 1:
         inverse_ids = [
             builder.collective(
                 f"broadcast {index} from {group.owner}",
                 "default",
-                "broadcast",
+                CollectiveOp.BROADCAST,
                 4.0 * group.elements,
             )
             for index, group in enumerate(setup.groups)
         ]
         inverse_ids.append(
             builder.collective(
-                "failure flags", "default", "allreduce", 4.0 * 2 * len(workload.layers)
+                "failure flags", "default", CollectiveOp.ALL_REDUCE, 4.0 * 2 * len(workload.layers)
             )
         )
     suffix: list[Instruction] = []
@@ -290,8 +311,8 @@ def build_iteration(
         Close(span_name(Phase.ITERATION)),
     ]
     programs: list[list[Instruction]] = []
-    speeds = rank_speeds(len(builder.world), costs.hardware.rank_spread)
-    for rank in builder.world:
+    speeds = rank_speeds(builder.world_size, costs.hardware.rank_spread)
+    for rank in ranks:
         middle: list[Instruction] = []
         if kfac and inverse_step:
             _inverse_phase(builder, rank, middle, inverse_ids)

@@ -99,6 +99,12 @@ class _Tracer(TorchDispatchMode):
         return out
 
 
+def _loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy over every target: one per example, or per position of a sequence
+    (logits ``[..., classes]``; flattening is a view, so it adds no traced op)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def one_pass(
     model: nn.Module,
     layers: dict[str, nn.Module],
@@ -144,7 +150,7 @@ def one_pass(
         model.zero_grad(set_to_none=True)
         with _Tracer(forward, timed=timed, device=inputs.device) as tracer:
             tracer.restart(forward)
-            loss = F.cross_entropy(model(inputs), targets)
+            loss = _loss(model(inputs), targets)
             tracer.restart(backward)
             loss.backward()
     finally:
@@ -178,7 +184,7 @@ def plain_seconds(model: nn.Module, inputs: Tensor, targets: Tensor, repeats: in
         if inputs.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        F.cross_entropy(model(inputs), targets).backward()
+        _loss(model(inputs), targets).backward()
         if inputs.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -131,6 +132,14 @@ class Workload:
         return [item for item in (*self.forward, *self.backward) if isinstance(item, Op)]
 
 
+def _discovered(model: nn.Module) -> dict[str, Any]:
+    """The preconditioner's layers of ``model`` (name → block with ``a_dim``/``g_dim``);
+    discovery needs only shapes, so a ``meta`` model works."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not preconditioned": BatchNorm
+        return dict(discover_layers(model, ()))
+
+
 def trace_workload(
     model: nn.Module | Callable[[], nn.Module],
     input_shape: Sequence[int],
@@ -139,6 +148,7 @@ def trace_workload(
     name: str = "model",
     device: torch.device | str = "meta",
     repeats: int = 0,
+    vocab_size: int | None = None,
 ) -> Workload:
     """Trace one training iteration of ``model`` on ``batch_size`` examples.
 
@@ -152,6 +162,8 @@ def trace_workload(
         repeats: With a real device, passes to time (the median per op is kept, then
             all are scaled so a pass adds up to the median untraced pass); the first pass
             is a warm-up and not counted.
+        vocab_size: For a language model: inputs are token ids in ``[0, vocab_size)`` of
+            shape ``input_shape`` per example, and every position has a target.
 
     Raises:
         ValueError: A bad size, or a model without K-FAC layers.
@@ -167,12 +179,15 @@ def trace_workload(
     else:
         with device:
             built = model()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "not preconditioned": BatchNorm
-        states = discover_layers(built, ())
-    modules = {layer_name: state.module for layer_name, state in states.items()}
-    inputs = torch.randn(batch_size, *input_shape, device=device)
-    targets = torch.zeros(batch_size, dtype=torch.long, device=device)
+    states = _discovered(built)
+    by_name = dict(built.named_modules())
+    modules = {layer_name: by_name[layer_name] for layer_name in states}
+    if vocab_size is None:
+        inputs = torch.randn(batch_size, *input_shape, device=device)
+        targets = torch.zeros(batch_size, dtype=torch.long, device=device)
+    else:
+        inputs = torch.randint(0, vocab_size, (batch_size, *input_shape), device=device)
+        targets = torch.zeros_like(inputs)
     passes = [one_pass(built, modules, inputs, targets, timed=timed)]
     if timed:
         passes = [one_pass(built, modules, inputs, targets, timed=True) for _ in range(repeats)]

@@ -1,12 +1,16 @@
-"""Models the simulator knows by name: built-in ones, ImageNet CNNs, torchvision's on request."""
+"""Models the simulator knows by name: built-in ones, ImageNet CNNs, language models,
+torchvision's on request."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
+from spdkfac import models
 from spdkfac.models import (
     IMAGENET_MODELS,
     MODEL_NAMES,
@@ -18,7 +22,10 @@ from spdkfac.sim.workload import Workload, trace_workload
 
 __all__ = ["IMAGENET_MODELS", "SIM_MODEL_NAMES", "ModelEntry", "model_by_name", "workload_for"]
 
-SIM_MODEL_NAMES: tuple[str, ...] = (*MODEL_NAMES, *IMAGENET_MODELS)
+#: Language models (token ids in). Read defensively: the text models are recent in
+#: :mod:`spdkfac.models`, and the simulator must not depend on their being there.
+TEXT_MODELS: Mapping[str, Callable[..., nn.Module]] = getattr(models, "TEXT_MODELS", {})
+SIM_MODEL_NAMES: tuple[str, ...] = (*MODEL_NAMES, *IMAGENET_MODELS, *TEXT_MODELS)
 
 
 @dataclass(frozen=True)
@@ -28,14 +35,16 @@ class ModelEntry:
     Attributes:
         name: Lower-case model name.
         build: Builds the model (call it under a ``torch.device`` context for ``meta``).
-        input_shape: Shape of one example.
+        input_shape: Shape of one example (a language model's: its sequence length).
         source: ``"spdkfac"`` or ``"torchvision"``.
+        vocab_size: For a language model, the token ids' range; None: float inputs.
     """
 
     name: str
     build: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
     source: str
+    vocab_size: int | None = None
 
 
 def model_by_name(
@@ -47,8 +56,10 @@ def model_by_name(
     always this project's own (torchvision's layer shapes and names), whether or not
     torchvision is installed; defaults 224x224x3, 1000 classes. Built-in models
     (:data:`spdkfac.models.MODEL_NAMES`) default to CIFAR shapes (32x32x3, 10 classes), as
-    ``spdkfac bench`` runs them. ``torchvision:<name>`` asks for a ``torchvision.models``
-    model explicitly (ImageNet defaults); it needs a working torchvision.
+    ``spdkfac bench`` runs them. Language models (``gpt``) take their default sizes and
+    sequences of ``input_size`` tokens (default: the model's ``block_size``).
+    ``torchvision:<name>`` asks for a ``torchvision.models`` model explicitly (ImageNet
+    defaults); it needs a working torchvision.
 
     Raises:
         ValueError: An unknown name or a size < 1.
@@ -67,6 +78,12 @@ def model_by_name(
             (3, size, size),
             "spdkfac",
         )
+    if key in TEXT_MODELS:
+        text = TEXT_MODELS[key]
+        with torch.device("meta"):
+            probe: Any = text()  # its default sizes, read without memory
+        length = input_size or int(probe.block_size)
+        return ModelEntry(key, text, (length,), "spdkfac", vocab_size=int(probe.vocab_size))
     size, classes = input_size or 224, num_classes or 1000
     if key in IMAGENET_MODELS:
         builder = IMAGENET_MODELS[key]
@@ -85,5 +102,10 @@ def workload_for(name: str, *, batch_size: int, input_size: int | None = None) -
     """Trace the named model on the ``meta`` device (no memory, no weights)."""
     entry = model_by_name(name, input_size=input_size)
     return trace_workload(
-        entry.build, entry.input_shape, batch_size=batch_size, name=entry.name, device="meta"
+        entry.build,
+        entry.input_shape,
+        batch_size=batch_size,
+        name=entry.name,
+        device="meta",
+        vocab_size=entry.vocab_size,
     )

@@ -9,6 +9,7 @@ from typing import Any
 
 from spdkfac.checks import check_choice, check_int, check_number
 from spdkfac.layers.batchnorm import BATCHNORM_MODES
+from spdkfac.models import BUILTIN_MODEL_NAMES, TORCHVISION_PREFIX, ModelKind, model_kind
 from spdkfac.optional import (
     OptionalPackageError,
     install_hint,
@@ -21,24 +22,53 @@ from spdkfac.strategies import ALGORITHMS
 __all__ = [
     "BATCHNORM_CURVATURES",
     "DATASETS",
+    "DATASET_KINDS",
+    "KFAC_OPTIMIZERS",
     "LR_SCHEDULES",
     "OPTIMIZERS",
     "RESUMABLE_CHANGES",
     "TrainConfig",
+    "check_model_name",
     "incompatible_fields",
     "load_config_file",
 ]
 
-DATASETS: tuple[str, ...] = ("fashion-mnist", "cifar10", "imagefolder")
-OPTIMIZERS: tuple[str, ...] = ("sgd", "kfac")
+#: What each dataset holds, matched against :func:`spdkfac.models.model_kind`.
+DATASET_KINDS: dict[str, ModelKind] = {
+    "fashion-mnist": "image", "cifar10": "image", "imagefolder": "image", "text": "text",
+}  # fmt: skip
+DATASETS: tuple[str, ...] = tuple(DATASET_KINDS)
+#: ``--optimizer``: its base optimizer ("kfac" alone is SGD preconditioned by K-FAC).
+OPTIMIZERS: dict[str, str] = {"sgd": "sgd", "kfac": "sgd", "adamw": "adamw", "kfac-adamw": "adamw"}
+#: The ``--optimizer`` values whose base optimizer K-FAC preconditions.
+KFAC_OPTIMIZERS: frozenset[str] = frozenset({"kfac", "kfac-adamw"})
 LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
 #: ``--batchnorm`` values: "off" (plain gradient) or a mode of ``KFACPreconditioner``.
 BATCHNORM_CURVATURES: tuple[str, ...] = ("off", *BATCHNORM_MODES)
 #: Fields a resumed run may change; any other difference refuses the checkpoint.
 RESUMABLE_CHANGES: frozenset[str] = frozenset(
     {"epochs", "max_steps", "out_dir", "resume", "checkpoint_every", "threads",
-     "tensorboard", "target_accuracy", "data", "config", "collective_timeout"}
+     "tensorboard", "target_accuracy", "data", "config", "collective_timeout",
+     "eval_every", "evals_per_epoch"}
 )  # fmt: skip
+
+
+def check_model_name(name: object) -> str:
+    """``name`` if it names a built-in model or ``torchvision:NAME``; else ``ValueError``.
+
+    Whether torchvision is installed and has ``NAME`` is checked when the model is built
+    (``spdkfac train`` does it before any process group exists).
+    """
+    if isinstance(name, str):
+        key = name.lower()
+        if key in BUILTIN_MODEL_NAMES:
+            return name
+        if key.startswith(TORCHVISION_PREFIX) and len(key) > len(TORCHVISION_PREFIX):
+            return name
+    raise ValueError(
+        f"unknown model {name!r}; choose one of {', '.join(BUILTIN_MODEL_NAMES)} or "
+        f"{TORCHVISION_PREFIX}NAME for a torchvision.models model"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,8 +79,16 @@ class TrainConfig:
     dataset: str = "fashion-mnist"
     data: str | None = None
     image_size: int = 32
+    seq_len: int = 128
+    gpt_layers: int = 2
+    gpt_heads: int = 4
+    gpt_dim: int = 128
+    gpt_dropout: float = 0.0
+    train_limit: int | None = None
     epochs: int = 10
     max_steps: int | None = None
+    eval_every: int | None = None
+    evals_per_epoch: int | None = None
     batch_size: int = 128
     accumulation_steps: int = 1
     optimizer: str = "kfac"
@@ -66,7 +104,7 @@ class TrainConfig:
     poly_start_epoch: float = 0.0
     poly_end_epoch: float | None = None
     strategy: str = "spd-kfac"
-    damping: float = 0.003
+    damping: float = 0.1
     damping_initial: float | None = None
     damping_warmup_steps: int = 0
     kl_clip: float | None = 0.001
@@ -95,28 +133,31 @@ class TrainConfig:
     config: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        check_model_name(self.model)
         check_choice("dataset", self.dataset, DATASETS)
-        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_choice("strategy", self.strategy, ALGORITHMS)
         check_choice("batchnorm", self.batchnorm, BATCHNORM_CURVATURES)
         check_number("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
-        for name in ("epochs", "batch_size", "accumulation_steps", "image_size",
-                     "factor_update_steps", "inv_update_steps",
-                     "stale_factor_update_steps", "stale_inv_update_steps"):  # fmt: skip
+        for name in ("epochs", "batch_size", "accumulation_steps", "image_size", "seq_len",
+                     "gpt_layers", "gpt_heads", "gpt_dim", "factor_update_steps",
+                     "inv_update_steps", "stale_factor_update_steps",
+                     "stale_inv_update_steps"):  # fmt: skip
             check_int(name, getattr(self, name), low=1)
         for name in ("damping_warmup_steps", "checkpoint_every", "seed", "stale_growth_steps"):
             check_int(name, getattr(self, name), low=0)
-        for name in ("max_steps", "threads", "stale_switch_step"):
+        for name in ("max_steps", "threads", "stale_switch_step", "train_limit", "eval_every",
+                     "evals_per_epoch"):  # fmt: skip
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1)
         for name in ("lr", "damping", "factor_decay", "lr_gamma", "poly_power",
                      "collective_timeout"):  # fmt: skip
             check_number(name, getattr(self, name))
-        for name in ("momentum", "weight_decay", "warmup_epochs", "mixup_alpha",
-                     "poly_start_epoch"):  # fmt: skip
+        for name in ("weight_decay", "warmup_epochs", "mixup_alpha", "poly_start_epoch"):
             check_number(name, getattr(self, name), low_inclusive=True)
-        for name in ("random_erasing", "label_smoothing", "target_accuracy"):
+        check_number("momentum", self.momentum, low_inclusive=True, high=1.0, high_inclusive=False)
+        for name in ("random_erasing", "label_smoothing", "target_accuracy", "gpt_dropout"):
             check_number(name, getattr(self, name), low_inclusive=True, high=1.0)
         check_number("factor_decay", self.factor_decay, high=1.0)
         for name in ("kl_clip", "damping_initial", "poly_end_epoch"):
@@ -126,6 +167,42 @@ class TrainConfig:
             raise ValueError("nesterov needs momentum > 0, got momentum=0")
         for milestone in self.milestones:
             check_number("milestones", milestone)
+        if self.eval_every is not None and self.evals_per_epoch is not None:
+            raise ValueError(
+                f"give eval_every ({self.eval_every}) or evals_per_epoch "
+                f"({self.evals_per_epoch}), not both"
+            )
+        self._check_kinds()
+
+    def _check_kinds(self) -> None:
+        reads, holds = model_kind(self.model), DATASET_KINDS[self.dataset]
+        if reads != holds:
+            raise ValueError(
+                f"model {self.model!r} reads {reads} but dataset {self.dataset!r} holds "
+                f"{holds}; pair image models with image datasets and gpt with --dataset text"
+            )
+        if holds == "text":
+            if self.gpt_dim % self.gpt_heads:
+                raise ValueError(
+                    f"gpt_dim ({self.gpt_dim}) must be a multiple of gpt_heads ({self.gpt_heads})"
+                )
+            if self.gpt_dropout >= 1.0:
+                raise ValueError(f"gpt_dropout must be < 1, got {self.gpt_dropout}")
+            for name in ("mixup_alpha", "random_erasing"):
+                if getattr(self, name) > 0:
+                    raise ValueError(f"{name} is an image augmentation; it needs 0 for text")
+            if self.train_limit is not None:
+                raise ValueError("train_limit applies to image datasets only")
+
+    @property
+    def uses_kfac(self) -> bool:
+        """Whether K-FAC preconditions the base optimizer."""
+        return self.optimizer in KFAC_OPTIMIZERS
+
+    @property
+    def base_optimizer(self) -> str:
+        """``"sgd"`` or ``"adamw"``: the ``torch.optim`` optimizer that applies the update."""
+        return OPTIMIZERS[self.optimizer]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (tuples as lists), for checkpoints and TOML."""
@@ -156,12 +233,16 @@ class TrainConfig:
 
 
 def incompatible_fields(saved: dict[str, Any], current: TrainConfig) -> list[str]:
-    """Fields whose value differs between a checkpoint's config and this run's."""
-    now = current.to_dict()
+    """Fields whose value differs between a checkpoint's config and this run's.
+
+    A field the checkpoint does not name (written before the field existed) counts as its
+    default value.
+    """
+    now, defaults = current.to_dict(), TrainConfig().to_dict()
     return sorted(
         key
         for key in set(saved) | set(now)
-        if key not in RESUMABLE_CHANGES and saved.get(key) != now.get(key)
+        if key not in RESUMABLE_CHANGES and saved.get(key, defaults.get(key)) != now.get(key)
     )
 
 

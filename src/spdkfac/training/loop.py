@@ -5,7 +5,10 @@ forward and backward each micro-batch (all-reducing gradients once, on the last 
 let K-FAC precondition them, and apply the update unless K-FAC skipped the step. What
 differs between the callers stays with them: the trainer's augmentation, fault injection,
 weight rescaling and LR schedule; the benchmark's timing marks (:class:`StepHooks`).
-:func:`evaluate_accuracy` scores a model on a test set, each rank its own shard.
+:func:`evaluate_accuracy` and :func:`evaluate_loss` score a model on a held-out set, each
+rank its own shard. Losses take the class dimension last, so the same pass serves image
+classifiers (logits ``[N, C]``, labels ``[N]``) and language models (logits ``[B, T, V]``,
+next-token targets ``[B, T]``, the mean over all B·T tokens).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ __all__ = [
     "StepOutcome",
     "cross_entropy_pass",
     "evaluate_accuracy",
+    "evaluate_loss",
+    "token_cross_entropy",
     "train_step",
 ]
 
@@ -73,9 +78,23 @@ class StepOutcome:
         return total
 
 
+def token_cross_entropy(
+    logits: Tensor, targets: Tensor, *, label_smoothing: float = 0.0, reduction: str = "mean"
+) -> Tensor:
+    """Cross-entropy with the classes last: logits ``[..., C]``, targets ``[...]``.
+
+    Every leading position counts as one example: ``[N, C]`` logits are plain
+    classification, ``[B, T, V]`` a language model's loss over all B·T tokens.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(
+        flat, targets.reshape(-1), label_smoothing=label_smoothing, reduction=reduction
+    )
+
+
 def cross_entropy_pass(model: nn.Module, inputs: Tensor, targets: Tensor) -> LossPass:
-    """The plain classification pass: cross-entropy of ``model(inputs)`` on ``targets``."""
-    return lambda: F.cross_entropy(model(inputs), targets)
+    """The plain pass: cross-entropy of ``model(inputs)`` on ``targets`` (classes last)."""
+    return lambda: token_cross_entropy(model(inputs), targets)
 
 
 def train_step(
@@ -154,3 +173,35 @@ def evaluate_accuracy(
     model.train()
     comm.all_reduce_sum(counts).wait()
     return float(counts[0] / counts[1])
+
+
+def evaluate_loss(
+    model: nn.Module, inputs: Tensor, targets: Tensor, comm: Communicator, *, batch_size: int = 64
+) -> float:
+    """Mean cross-entropy over every target of a held-out set, rank ``r`` scoring ``r, r + P, …``.
+
+    A collective (one all-reduce of the loss sum and the target count); ``model`` is left
+    in training mode.
+
+    Args:
+        model: The model to score (possibly wrapped in ``DistributedDataParallel``).
+        inputs: Every example (e.g. token windows ``[N, T]``), the same on each rank.
+        targets: Their targets (``[N]`` labels or ``[N, T]`` next tokens).
+        comm: This rank's communicator.
+        batch_size: Examples per forward pass.
+
+    Returns:
+        The loss summed over all targets of all examples, divided by their number.
+    """
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)
+    shard = torch.arange(comm.rank, len(targets), comm.world_size)
+    with torch.no_grad():
+        for start in range(0, len(shard), batch_size):
+            part = shard[start : start + batch_size]
+            summed = token_cross_entropy(model(inputs[part]), targets[part], reduction="sum")
+            totals[0] += float(summed)
+            totals[1] += targets[part].numel()
+    model.train()
+    comm.all_reduce_sum(totals).wait()
+    return float(totals[0] / totals[1])

@@ -1,9 +1,14 @@
 """The training loop of ``spdkfac train``: data parallel SGD or K-FAC, resumable bit for bit.
 
-All randomness of a step (augmentation, mixup, dropout) is drawn from generators seeded
-by ``(seed, rank, step)``, and the data order from ``DistributedSampler(seed)`` and the
-epoch, so a resumed run only needs the step counter and the running-mixup batch to
-continue exactly where the checkpoint left off.
+All randomness of a step (augmentation, mixup, a text window's offset, dropout) is drawn
+from generators seeded by ``(seed, rank, step)``, and the data order from
+``DistributedSampler(seed)`` and the epoch, so a resumed run only needs the step counter
+and the running-mixup batch to continue exactly where the checkpoint left off. What
+differs between image classification and language modelling is the run's
+:class:`~spdkfac.training.tasks.Task`. The run evaluates after the steps its
+:class:`~spdkfac.training.evaluation.EvalSchedule` names (evaluation changes no training
+state), each time adding a row to ``metrics.csv``; its training clock leaves evaluations
+and checkpoints out.
 """
 
 from __future__ import annotations
@@ -12,37 +17,39 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from spdkfac.comm import Communicator, destroy_distributed, init_distributed
-from spdkfac.data.augment import RunningMixup, random_crop_flip, random_erasing, soft_cross_entropy
+from spdkfac.data.augment import RunningMixup
 from spdkfac.training.checkpoint import atomic_write_bytes
 from spdkfac.training.config import TrainConfig
+from spdkfac.training.evaluation import EvalSchedule, TrainClock
 from spdkfac.training.faults import FaultPlan
-from spdkfac.training.loop import StepHooks, evaluate_accuracy, train_step
+from spdkfac.training.loop import StepHooks, train_step
 from spdkfac.training.lr_schedules import apply_to_optimizer
 from spdkfac.training.metrics import (
     EpochMetrics,
     TrainSummary,
+    epoch_at,
     format_summary,
     open_tensorboard,
     summarize,
+    write_metrics_csv,
     write_outputs,
 )
 from spdkfac.training.persistence import restore_checkpoint, save_checkpoint
 from spdkfac.training.progress import ProgressBar
 from spdkfac.training.replicas import replicas_identical, state_tensors
 from spdkfac.training.rescaling import rescale_weights_
-from spdkfac.training.setup import load_datasets, make_model, make_optimizers
+from spdkfac.training.setup import make_optimizers
+from spdkfac.training.tasks import task_for
 
 __all__ = ["EpochMetrics", "TrainSummary", "train"]
 
@@ -60,14 +67,15 @@ class _Run:
         self.log = log if comm.rank == 0 else (lambda _: None)
         self.out_dir = Path(config.out_dir)
         self.checkpoints = self.out_dir / "checkpoints"
-        self.train_set, self.test_set, self.num_classes, channels, size = load_datasets(config)
+        self.task = task_for(config)
+        self.data = self.task.load(config)
         torch.manual_seed(config.seed)
-        self.module = make_model(config, self.num_classes, channels, size)
+        self.module = self.task.build_model(config, self.data)
         self.model: nn.Module = self.module
         if comm.world_size > 1:
             self.model = nn.parallel.DistributedDataParallel(self.module)
         self.sampler: DistributedSampler[Any] = DistributedSampler(
-            self.train_set, num_replicas=comm.world_size, rank=comm.rank, seed=config.seed
+            self.data.train, num_replicas=comm.world_size, rank=comm.rank, seed=config.seed
         )
         self.steps_per_epoch = -(-len(self.sampler) // config.batch_size)
         self.lr_fn, self.optimizer, self.precond = make_optimizers(
@@ -77,10 +85,13 @@ class _Run:
         self.faults = FaultPlan.from_env()
         self.hooks = StepHooks(before_update=self._before_update)
         self.step = 0
-        self.epoch_losses: list[float] = []  # this rank's losses so far in this epoch
-        self.train_seconds = 0.0
+        self.saved_step: int | None = None
+        self.losses: list[float] = []  # this rank's losses since the last scheduled evaluation
+        self.clock = TrainClock()
+        self.eval_seconds = 0.0
         self.iteration_seconds: list[float] = []
         self.metrics: list[EpochMetrics] = []
+        self.board: Any = None
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
@@ -89,16 +100,18 @@ class _Run:
             self.comm,
             self.config,
             step=self.step,
-            train_seconds=self.train_seconds,
-            metrics=[asdict(m) for m in self.metrics],
+            train_seconds=self.clock.seconds,
+            metrics=[m.row() for m in self.metrics],
             module=self.module,
             optimizer=self.optimizer,
             preconditioner=self.precond,
             rank_state={
                 "mixup": None if self.mixup is None else self.mixup.state_dict(),
-                "epoch_losses": list(self.epoch_losses),
+                "losses": list(self.losses),
+                "eval_seconds": self.eval_seconds,
             },
         )
+        self.saved_step = self.step
 
     def restore(self) -> None:
         restored = restore_checkpoint(
@@ -112,13 +125,16 @@ class _Run:
         if restored is None:
             self.log(f"no checkpoint in {self.checkpoints}; starting from scratch")
             return
-        self.step = restored.step
-        self.train_seconds = restored.train_seconds
-        self.metrics = [EpochMetrics(**row) for row in restored.metrics]
+        self.step = self.saved_step = restored.step
+        self.clock = TrainClock(restored.train_seconds)
+        self.metrics = [EpochMetrics.from_row(row) for row in restored.metrics]
         rank_state = restored.rank_state or {}
         if self.mixup is not None and rank_state.get("mixup") is not None:
             self.mixup.load_state_dict(rank_state["mixup"])
-        self.epoch_losses = [float(x) for x in rank_state.get("epoch_losses", [])]
+        # "epoch_losses": checkpoints written when rows were per epoch only (the same list).
+        losses = rank_state.get("losses", rank_state.get("epoch_losses", []))
+        self.losses = [float(x) for x in losses]
+        self.eval_seconds = float(rank_state.get("eval_seconds", 0.0))
         if restored.world_size != self.comm.world_size:
             self.log(
                 f"resuming a {restored.world_size}-rank checkpoint on {self.comm.world_size} "
@@ -131,43 +147,33 @@ class _Run:
     # ------------------------------------------------------------------ one step
     def _batch(self, indices: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
         config = self.config
-        images, labels = (t[indices] for t in self.train_set.tensors)
         generator = torch.Generator().manual_seed(_seed(config, self.comm.rank, self.step))
         torch.manual_seed(_seed(config, self.comm.rank, self.step) + 1)
-        if config.augment:
-            images = random_crop_flip(images, generator, padding=4 if images.shape[-1] >= 32 else 2)
-        if config.random_erasing > 0:
-            images = random_erasing(images, generator, p=config.random_erasing)
-        soft = None
-        if self.mixup is not None:
-            images, soft = self.mixup(images, labels, generator, num_classes=self.num_classes)
-        return images, labels, soft
+        return self.task.batch(self.data, indices, generator, config, self.mixup)
 
-    def _loss(self, logits: Tensor, labels: Tensor, soft: Tensor | None) -> Tensor:
-        smoothing = self.config.label_smoothing
-        if soft is not None:
-            return soft_cross_entropy(logits, soft, label_smoothing=smoothing)
-        return F.cross_entropy(logits, labels, label_smoothing=smoothing)
-
-    def _pass(self, images: Tensor, labels: Tensor, soft: Tensor | None, part: Tensor) -> Tensor:
-        logits = self.model(images[part])
-        return self._loss(logits, labels[part], None if soft is None else soft[part])
+    def _pass(self, inputs: Tensor, targets: Tensor, soft: Tensor | None, part: Tensor) -> Tensor:
+        logits = self.model(inputs[part])
+        return self.task.loss(
+            logits, targets[part], None if soft is None else soft[part], self.config
+        )
 
     def _before_update(self) -> None:
         self.faults.before_update(self.step, self.comm.rank)
 
     def train_step(self, indices: list[int]) -> float:
         config = self.config
-        images, labels, soft = self._batch(indices)
-        images = self.faults.poison_batch(images, self.step, self.comm.rank)
-        chunks = torch.arange(len(labels)).chunk(config.accumulation_steps)
-        passes = [partial(self._pass, images, labels, soft, part) for part in chunks]
+        inputs, targets, soft = self._batch(indices)
+        if inputs.is_floating_point():  # token ids cannot hold the NaNs of a "nan" fault
+            inputs = self.faults.poison_batch(inputs, self.step, self.comm.rank)
+        chunks = torch.arange(len(targets)).chunk(config.accumulation_steps)
+        passes = [partial(self._pass, inputs, targets, soft, part) for part in chunks]
         outcome = train_step(self.model, self.optimizer, self.precond, passes, hooks=self.hooks)
         if outcome.applied and config.weight_rescaling:
             rescale_weights_(self.module)
         self.step += 1
         # torch.optim.SGD applies the lr outside its momentum buffer, which is exactly
-        # Osawa et al.'s momentum-proportional-to-lr rule: only the lr needs setting.
+        # Osawa et al.'s momentum-proportional-to-lr rule: only the lr needs setting
+        # (AdamW, too, only needs its lr).
         apply_to_optimizer(self.optimizer, self.step, lr=self.lr_fn)
         return outcome.mean_loss
 
@@ -191,77 +197,104 @@ def train(config: TrainConfig, *, log: Callable[[str], None] = print) -> TrainSu
 
 def _loop(run: _Run) -> TrainSummary:
     config, comm = run.config, run.comm
-    board = None
     if config.tensorboard and comm.rank == 0:
-        board = open_tensorboard(run.out_dir, run.log)
+        run.board = open_tensorboard(run.out_dir, run.log)
     total_steps = config.epochs * run.steps_per_epoch
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
+    schedule = EvalSchedule.from_config(
+        config, steps_per_epoch=run.steps_per_epoch, total_steps=total_steps
+    )
     run.log(
-        f"{config.optimizer}{'/' + config.strategy if config.optimizer == 'kfac' else ''} "
+        f"{config.optimizer}{'/' + config.strategy if config.uses_kfac else ''} "
         f"{config.model} on {config.dataset}: {comm.world_size} worker(s) x batch "
         f"{config.batch_size}, {run.steps_per_epoch} steps/epoch, {total_steps} steps"
     )
+    run.clock.start()
     while run.step < total_steps:
-        epoch, position = divmod(run.step, run.steps_per_epoch)
-        run.sampler.set_epoch(epoch)
-        batches = list(BatchSampler(run.sampler, config.batch_size, drop_last=False))
-        bar = ProgressBar(len(batches), f"epoch {epoch + 1}", enabled=comm.rank == 0)
-        started = time.perf_counter()
-        if position == 0:
-            run.epoch_losses = []
-        losses = run.epoch_losses
-        epoch_seconds = 0.0
-        for indices in batches[position:]:
-            if run.step >= total_steps:
-                break
-            tick = time.perf_counter()
-            losses.append(run.train_step(indices))
-            run.iteration_seconds.append(time.perf_counter() - tick)
-            epoch_seconds += run.iteration_seconds[-1]
-            bar.update(run.step - epoch * run.steps_per_epoch, f"loss {losses[-1]:.4f}")
-            if config.checkpoint_every and run.step % config.checkpoint_every == 0:
-                run.train_seconds += time.perf_counter() - started
-                run.save()
-                started = time.perf_counter()
-        run.train_seconds += time.perf_counter() - started
-        if run.step % run.steps_per_epoch == 0 or run.step >= total_steps:
-            finite = [x for x in losses if math.isfinite(x)]  # skipped (NaN) steps left out
-            mean = comm.all_reduce_average(torch.tensor([sum(finite) / max(len(finite), 1)]))
-            images, labels = run.test_set.tensors
-            accuracy = evaluate_accuracy(run.model, images, labels, comm)
-            row = EpochMetrics(
-                epoch=-(-run.step // run.steps_per_epoch),
-                step=run.step,
-                train_loss=float(mean.wait()),
-                test_accuracy=accuracy,
-                epoch_seconds=epoch_seconds,
-                train_seconds=run.train_seconds,
-                lr=float(run.optimizer.param_groups[0]["lr"]),
-                skipped_steps=0 if run.precond is None else run.precond.skipped_steps,
-            )
-            run.metrics.append(row)
-            bar.close(f"loss {row.train_loss:.4f} test acc {accuracy:.4f}")
-            if board is not None:
-                for key in ("train_loss", "test_accuracy", "lr"):
-                    board.add_scalar(key, getattr(row, key), row.epoch)
-    run.save()
+        _epoch(run, schedule)
+    run.clock.stop()
+    if run.saved_step != run.step:
+        run.save()
+    final = run.task.final_scores(run.model, run.data, comm)
     summary = summarize(
         run.metrics,
-        target_accuracy=config.target_accuracy,
+        scores=run.task.summary_scores(run.metrics, final, config),
         iteration_seconds=run.iteration_seconds,
         steps=run.step,
         world_size=comm.world_size,
+        train_seconds=run.clock.seconds,
+        eval_seconds=run.eval_seconds,
     )
     summary.replicas_identical = _replicas_identical(run)
     if not summary.replicas_identical and comm.rank == 0:
         print("spdkfac train: warning: parameters or factors differ across ranks", file=sys.stderr)
     if comm.rank == 0 and run.metrics:
         write_outputs(run.out_dir, summary)
-        run.log(format_summary(summary, config.target_accuracy))
-    if board is not None:
-        board.close()
+        run.log(format_summary(summary, run.task.headline(summary.scores, config)))
+    if run.board is not None:
+        run.board.close()
     return summary
+
+
+def _epoch(run: _Run, schedule: EvalSchedule) -> None:
+    """Train the rest of the current epoch (up to the run's last step), evaluating where
+    ``schedule`` says."""
+    config = run.config
+    epoch, position = divmod(run.step, run.steps_per_epoch)
+    run.sampler.set_epoch(epoch)
+    batches = list(BatchSampler(run.sampler, config.batch_size, drop_last=False))
+    # The bar counts the steps this epoch will run: fewer in the last one of --max-steps.
+    length = min(len(batches), schedule.total_steps - epoch * run.steps_per_epoch)
+    bar = ProgressBar(length, f"epoch {epoch + 1}", enabled=run.comm.rank == 0)
+    epoch_seconds, scores, closing = 0.0, "", ""
+    for indices in batches[position:length]:
+        tick = time.perf_counter()
+        loss = run.train_step(indices)
+        run.losses.append(loss)
+        run.iteration_seconds.append(time.perf_counter() - tick)
+        epoch_seconds += run.iteration_seconds[-1]
+        closing = f"loss {loss:.4f} {scores}"
+        if schedule.due(run.step):
+            with run.clock.paused():
+                row = _evaluate(run, epoch_seconds, reset=schedule.scheduled(run.step))
+            scores = run.task.describe(row.scores)
+            closing = f"loss {row.train_loss:.4f} {scores}"
+        bar.update(run.step - epoch * run.steps_per_epoch, closing)
+        if config.checkpoint_every and run.step % config.checkpoint_every == 0:
+            with run.clock.paused():
+                run.save()
+    bar.close(closing)
+
+
+def _evaluate(run: _Run, epoch_seconds: float, *, reset: bool) -> EpochMetrics:
+    """Score the model (a collective), add and write a row; ``reset`` starts the next
+    interval of training losses."""
+    started = time.perf_counter()
+    comm = run.comm
+    finite = [x for x in run.losses if math.isfinite(x)]  # skipped (NaN) steps left out
+    mean = comm.all_reduce_average(torch.tensor([sum(finite) / max(len(finite), 1)]))
+    scores = run.task.evaluate(run.model, run.data.evaluation, comm)
+    row = EpochMetrics(
+        epoch=epoch_at(run.step, run.steps_per_epoch),
+        step=run.step,
+        train_loss=float(mean.wait()),
+        scores=scores,
+        epoch_seconds=epoch_seconds,
+        train_seconds=run.clock.seconds,
+        lr=float(run.optimizer.param_groups[0]["lr"]),
+        skipped_steps=0 if run.precond is None else run.precond.skipped_steps,
+    )
+    run.metrics.append(row)
+    if reset:
+        run.losses = []
+    if comm.rank == 0:
+        write_metrics_csv(run.out_dir, run.metrics)
+    if run.board is not None:
+        for key, value in {"train_loss": row.train_loss, **scores, "lr": row.lr}.items():
+            run.board.add_scalar(key, value, row.step)
+    run.eval_seconds += time.perf_counter() - started
+    return row
 
 
 def _replicas_identical(run: _Run) -> bool:

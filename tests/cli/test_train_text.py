@@ -1,0 +1,115 @@
+"""``spdkfac train --model gpt --dataset text``: a tiny run, K-FAC, resume, errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from spdkfac.cli import main
+
+__all__: list[str] = []
+
+TINY = ["--seq-len", "16", "--gpt-layers", "1", "--gpt-heads", "2", "--gpt-dim", "16",
+        "--batch-size", "4", "--threads", "1", "--no-tensorboard"]  # fmt: skip
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    line = b"the quick brown fox jumps over the lazy dog; pack my box with five dozen jugs.\n"
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(line * 40)  # 3,160 bytes: 158 for validation and test each
+    return path
+
+
+def _train(text: Path, out: Path, *flags: str) -> int:
+    args = ["train", "--model", "gpt", "--dataset", "text", "--data", str(text), *TINY]
+    return main([*args, "--out-dir", str(out), *flags])
+
+
+def _rows(out: Path) -> list[dict[str, str]]:
+    with (out / "metrics.csv").open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_adamw_run_reports_validation_loss_and_bits_per_byte(
+    text_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert _train(text_file, out, "--optimizer", "adamw", "--lr", "3e-3", "--max-steps", "3") == 0
+    (row,) = _rows(out)
+    assert row["step"] == "3" and "test_accuracy" not in row
+    assert float(row["val_bits_per_byte"]) == pytest.approx(float(row["val_loss"]) / math.log(2))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3
+    assert summary["final_val_bits_per_byte"] == pytest.approx(float(row["val_bits_per_byte"]))
+    assert summary["test_bits_per_byte"] == pytest.approx(summary["test_loss"] / math.log(2))
+    assert 0 < summary["test_bits_per_byte"] < 9  # a byte costs 8 bits at uniform odds
+    printed = capsys.readouterr()
+    assert "adamw gpt on text" in printed.out and "validation bits/byte" in printed.out
+    assert "val bpb" in printed.err  # the progress bar's closing line
+
+
+@pytest.mark.parametrize("optimizer", ["kfac", "kfac-adamw"])
+def test_kfac_preconditions_the_language_model(
+    text_file: Path, tmp_path: Path, optimizer: str
+) -> None:
+    out = tmp_path / optimizer
+    code = _train(
+        text_file, out, "--optimizer", optimizer, "--strategy", "spd-kfac", "--lr", "3e-3",
+        "--inv-update-steps", "1", "--max-steps", "3",
+    )  # fmt: skip
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert math.isfinite(summary["final_val_loss"])
+    assert summary["metrics"][0]["skipped_steps"] == 0
+
+
+def _final_model(out: Path) -> dict[str, torch.Tensor]:
+    name = (out / "checkpoints" / "latest").read_text().strip()
+    common = torch.load(out / "checkpoints" / name / "common.pt", weights_only=True)
+    return dict(common["model"])
+
+
+def test_resume_is_bit_identical(text_file: Path, tmp_path: Path) -> None:
+    flags = ["--optimizer", "adamw", "--lr", "3e-3", "--gpt-dropout", "0.1"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert _train(text_file, straight, *flags, "--max-steps", "4") == 0
+    assert _train(text_file, resumed, *flags, "--max-steps", "2") == 0
+    assert _train(text_file, resumed, *flags, "--max-steps", "4", "--resume") == 0
+    ours, theirs = _final_model(straight), _final_model(resumed)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--dataset", "fashion-mnist"], ["--mixup-alpha", "0.2"], ["--gpt-heads", "3"]],
+)
+def test_bad_combinations_exit_2(text_file: Path, tmp_path: Path, flags: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _train(text_file, tmp_path / "bad", *flags)
+    assert exit_info.value.code == 2
+
+
+def test_image_model_on_text_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--model", "cnn", "--dataset", "text"])
+    assert "reads image but dataset 'text' holds text" in capsys.readouterr().err
+
+
+def test_missing_or_short_text_names_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nowhere.txt"
+    assert _train(missing, tmp_path / "out") == 1
+    assert f"{missing} does not exist" in capsys.readouterr().err
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"too short")
+    assert _train(short, tmp_path / "out") == 1
+    assert f"text corpus {short} has 9 bytes" in capsys.readouterr().err
