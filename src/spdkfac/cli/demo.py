@@ -66,8 +66,9 @@ def add_parser(verbs: Any) -> None:
     parser.add_argument(
         "--kfac-lr", type=positive_float, default=0.05, help="learning rate with K-FAC"
     )
-    # This CNN has no BatchNorm; with the README's factor conventions its G factors are small, so
-    # the damping that keeps momentum SGD + K-FAC stable is far above the library default.
+    # This CNN has no BatchNorm; with the factor conventions of docs/guide.md its G factors
+    # are small, so the damping that keeps momentum SGD + K-FAC stable is far above the
+    # library default.
     parser.add_argument("--damping", type=positive_float, default=0.3, help="K-FAC damping")
     parser.add_argument("--kl-clip", type=positive_float, default=1e-3, help="K-FAC KL clip")
     parser.add_argument(

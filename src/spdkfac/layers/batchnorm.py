@@ -4,7 +4,7 @@ A BatchNorm layer ``y = γ ⊙ x̂ + β`` (``x̂`` the input normalized with the
 is not Kronecker factored. Its Fisher is built from the per-example gradients of the scale
 and shift, which are exact shares of the batch gradient (``∇γ = Σₙ uₙ``, ``∇β = Σₙ vₙ``)::
 
-    uₙ_c = Σₛ δₙ_cs · x̂ₙ_cs        vₙ_c = Σₛ δₙ_cs        (δ = B·g, README "Conventions")
+    uₙ_c = Σₛ δₙ_cs · x̂ₙ_cs        vₙ_c = Σₛ δₙ_cs        (δ = B·g, docs/guide.md "Conventions")
 
 summed over the positions ``s`` of example ``n`` (none for ``[B, C]`` inputs). Osawa et al.
 (2019, CVPR, Sec. 5, the diagonal-Fisher experiment) keep only the diagonal of the
