@@ -148,3 +148,9 @@ def test_lazy_and_meta_models_get_a_clear_error() -> None:
         meta = nn.Linear(3, 2)
     with pytest.raises(ValueError, match="meta device"):
         KFACPreconditioner(meta)
+
+
+def test_fullgraph_compilation_is_refused_with_a_clear_error() -> None:
+    compiled = torch.compile(_model(), fullgraph=True, backend="eager")
+    with pytest.raises(ValueError, match=r"fullgraph=True\) is not supported"):
+        KFACPreconditioner(compiled, lr=0.1)
