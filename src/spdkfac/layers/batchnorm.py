@@ -12,6 +12,8 @@ summed over the positions ``s`` of example ``n`` (none for ``[B, C]`` inputs). O
 ``(1/B) Σₙ [uₙ_c, vₙ_c]ᵀ[uₙ_c, vₙ_c]``.
 Either way a layer's curvature is stored as a ``[C, 3]`` tensor of the block entries
 ``(F_γγ, F_γβ, F_ββ)`` (``F_γβ = 0`` in the diagonal mode), inverted in closed form.
+The blocks are computed by :func:`spdkfac.layers.normalization.unit_fisher`, shared with
+the other normalization layers; this module keeps what is BatchNorm's own.
 """
 
 from __future__ import annotations
@@ -25,14 +27,10 @@ from spdkfac.types import NormalizationMode
 
 __all__ = [
     "BATCHNORM_MODES",
-    "batchnorm_fisher",
-    "batchnorm_gradient",
     "is_supported_batchnorm",
     "normalized_input",
-    "per_example_gradients",
     "precondition_units",
     "unit_inverses",
-    "write_batchnorm_gradient",
 ]
 
 #: Curvature modes for BatchNorm layers (``None`` in the options: plain gradient).
@@ -73,41 +71,6 @@ def normalized_input(inputs: Tensor, eps: float) -> Tensor:
     return (inputs - mean) * torch.rsqrt(variance + eps)
 
 
-def per_example_gradients(normalized: Tensor, grad_output: Tensor) -> tuple[Tensor, Tensor]:
-    """Each example's share of the scale and shift gradients: ``Σₛ g·x̂`` and ``Σₛ g``.
-
-    Args:
-        normalized: ``[B, C, *]`` normalized input ``x̂``.
-        grad_output: ``[B, C, *]`` gradient of the loss with respect to the layer output.
-
-    Returns:
-        ``([B, C], [B, C])``: the γ and β shares (not yet scaled by B).
-    """
-    batch, channels = grad_output.shape[0], grad_output.shape[1]
-    grad = grad_output.reshape(batch, channels, -1)
-    gamma = (grad * normalized.reshape(batch, channels, -1)).sum(dim=2)
-    return gamma, grad.sum(dim=2)
-
-
-def batchnorm_fisher(normalized: Tensor, grad_output: Tensor, *, diagonal: bool) -> Tensor:
-    """The ``[C, 3]`` block entries ``(F_γγ, F_γβ, F_ββ)`` of one forward/backward call.
-
-    ``F = (1/B) Σₙ [uₙ, vₙ]ᵀ[uₙ, vₙ]`` per channel with ``u = B·Σₛ g·x̂`` and ``v = B·Σₛ g``
-    (``δ = B·g`` is the per-example output gradient of the mean loss).
-
-    Args:
-        normalized: ``[B, C, *]`` normalized input.
-        grad_output: ``[B, C, *]`` output gradient of the batch-mean loss.
-        diagonal: Drop the γ–β coupling (``F_γβ = 0``), Osawa et al.'s approximation.
-    """
-    batch = grad_output.shape[0]
-    gamma, beta = per_example_gradients(normalized, grad_output)
-    gamma = gamma * float(batch)
-    beta = beta * float(batch)
-    cross = torch.zeros_like(gamma[0]) if diagonal else (gamma * beta).mean(dim=0)
-    return torch.stack([(gamma * gamma).mean(dim=0), cross, (beta * beta).mean(dim=0)], dim=1)
-
-
 def unit_inverses(fisher: Tensor, damping: float) -> Tensor:
     """Closed-form ``(F_c + λI)⁻¹`` of every channel's ``2 × 2`` block, as ``[C, 3]`` entries.
 
@@ -137,22 +100,3 @@ def precondition_units(gradient: Tensor, inverse: Tensor) -> Tensor:
     return torch.stack(
         [inv_scale * scale + inv_cross * shift, inv_cross * scale + inv_shift * shift], dim=1
     )
-
-
-def batchnorm_gradient(module: nn.Module) -> Tensor | None:
-    """``[C, 2]`` matrix ``[∇γ, ∇β]`` (a missing β gradient as zeros); None without ∇γ."""
-    weight, bias = module.weight, module.bias
-    assert isinstance(weight, Tensor) and isinstance(bias, Tensor)
-    if weight.grad is None:
-        return None
-    bias_grad = bias.grad if bias.grad is not None else torch.zeros_like(weight.grad)
-    return torch.stack([weight.grad, bias_grad], dim=1)
-
-
-def write_batchnorm_gradient(module: nn.Module, matrix: Tensor) -> None:
-    """Copy a ``[C, 2]`` matrix back into ``weight.grad`` and ``bias.grad`` (where present)."""
-    weight, bias = module.weight, module.bias
-    assert isinstance(weight, Tensor) and isinstance(bias, Tensor) and weight.grad is not None
-    weight.grad.copy_(matrix[:, 0])
-    if bias.grad is not None:
-        bias.grad.copy_(matrix[:, 1])
