@@ -273,5 +273,16 @@ class RecordingCommunicator:
         self._record("all_gather", tensor)
         return self.inner.all_gather(tensor)
 
+    def reduce_scatter(self, chunks: Any) -> Any:
+        sizes = ",".join(str(chunk.numel()) for chunk in chunks)
+        self.log.append(
+            (
+                f"{self.tag}reduce_scatter({sizes})",
+                sum(c.numel() for c in chunks),
+                str(chunks[0].dtype),
+            )
+        )
+        return self.inner.reduce_scatter(chunks)
+
     def duplicate(self) -> RecordingCommunicator:
         return RecordingCommunicator(self.inner.duplicate(), self.log, tag=self.tag + "dup:")

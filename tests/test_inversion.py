@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.futures import Future
 
+from spdkfac import inversion
 from spdkfac.comm import LocalCommunicator
+from spdkfac.comm.base import completed
 from spdkfac.inversion import broadcast_groups, invert_factors
-from spdkfac.linalg import damped_inverse, packed_size
+from spdkfac.linalg import damped_inverse, pack_triu, packed_size
 from spdkfac.placement import EVERY_RANK, FactorSpec, Plan
+from spdkfac.profiling import Phase, Profiler, span_name
 
 
 def _plan() -> Plan:
@@ -75,3 +79,106 @@ def test_a_failed_inversion_keeps_the_previous_inverse() -> None:
     assert torch.equal(outcome.inverses["l0/A"], torch.ones(10, 10))
     assert "l1/A" not in outcome.inverses  # no previous: the layer stays unpreconditioned
     torch.testing.assert_close(outcome.inverses["l2/A"], torch.eye(30) / 1.5)
+
+
+def _spd(dim: int, seed: int) -> torch.Tensor:
+    x = torch.randn(
+        dim + 3, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
+    product = x.T @ x
+    return (product + product.T) / 2  # exactly symmetric on any CPU (XᵀX need not be)
+
+
+def _same_sized_plan(owners: list[int]) -> Plan:
+    dims = [6, 6, 9, 6, 9, 6]
+    specs = tuple(FactorSpec(f"l{i}", "A", dim) for i, dim in enumerate(dims))
+    return Plan("test", max(2, max(owners) + 1), specs, tuple(owners), (1.0,) * len(dims))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["full", "packed"])
+def test_batched_phase_equals_one_call_per_factor(packed: bool) -> None:
+    plan = _same_sized_plan([0] * 6)
+    full = {spec.key: _spd(spec.dim, index) for index, spec in enumerate(plan.factors)}
+    factors = {key: pack_triu(f) if packed else f for key, f in full.items()}
+    calls: list[int] = []
+    real = inversion.damped_inverse_batch
+
+    def counting(stack: torch.Tensor, *args: object) -> list[torch.Tensor | None]:
+        calls.append(stack.shape[0])
+        return real(stack, *args)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(inversion, "damped_inverse_batch", counting)
+        outcome = invert_factors(factors, plan, LocalCommunicator(), 0.1)
+    assert sorted(calls) == [2, 4]  # one call per dimension
+    assert not outcome.failed
+    for key, factor in full.items():
+        torch.testing.assert_close(
+            outcome.inverses[key], damped_inverse(factor, 0.1), rtol=1e-12, atol=1e-12
+        )
+        assert torch.equal(factors[key], pack_triu(factor) if packed else factor)  # untouched
+
+
+def test_a_failing_member_of_a_batch_falls_back_alone() -> None:
+    plan = _same_sized_plan([0] * 6)
+    factors = {spec.key: pack_triu(_spd(spec.dim, i)) for i, spec in enumerate(plan.factors)}
+    factors["l1/A"] = pack_triu(-torch.eye(6, dtype=torch.float64))  # needs 100x damping
+    factors["l3/A"] = torch.full((packed_size(6),), float("nan"), dtype=torch.float64)
+    previous = {"l3/A": torch.ones(6, 6, dtype=torch.float64)}
+    with pytest.warns(RuntimeWarning) as caught:
+        outcome = invert_factors(factors, plan, LocalCommunicator(), 0.1, previous=previous)
+    messages = [str(warning.message) for warning in caught]
+    assert any("100x the damping" in message for message in messages)
+    assert any("inverting l3/A failed" in message for message in messages)
+    assert outcome.failed == {"l3/A"}
+    torch.testing.assert_close(outcome.inverses["l1/A"], torch.eye(6, dtype=torch.float64) / 9)
+    assert torch.equal(outcome.inverses["l3/A"], previous["l3/A"])
+    torch.testing.assert_close(
+        outcome.inverses["l5/A"], damped_inverse(_spd(6, 5), 0.1), rtol=1e-12, atol=1e-12
+    )
+
+
+def test_batches_still_give_each_factor_its_span() -> None:
+    plan = _same_sized_plan([0] * 6)
+    factors = {spec.key: _spd(spec.dim, i) for i, spec in enumerate(plan.factors)}
+    profiler = Profiler(enabled=True)
+    invert_factors(factors, plan, LocalCommunicator(), 0.1, profiler=profiler)
+    names = [event.name for event in profiler.events()]
+    assert sorted(names) == sorted(span_name(Phase.INVERSE_COMPUTE, key) for key in factors)
+
+
+class _SecondOfTwo(LocalCommunicator):
+    """Rank 1 of 2 whose collectives complete at once (a receive keeps its buffer)."""
+
+    @property
+    def rank(self) -> int:
+        return 1
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Future[torch.Tensor]:
+        return completed(tensor)
+
+
+def test_only_the_factors_a_rank_inverts_are_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
+    owners = [0, 1, EVERY_RANK, 0, 1, 0]
+    plan = _same_sized_plan(owners)
+    factors = {spec.key: pack_triu(_spd(spec.dim, i)) for i, spec in enumerate(plan.factors)}
+    unpacked: list[int] = []
+    real = inversion.unpack_triu
+
+    def recording(packed: torch.Tensor, dim: int, **kwargs: torch.Tensor) -> torch.Tensor:
+        unpacked.append(id(packed))
+        return real(packed, dim, **kwargs)
+
+    monkeypatch.setattr(inversion, "unpack_triu", recording)
+    outcome = invert_factors(factors, plan, _SecondOfTwo(), 0.1)
+    mine = {key for key, owner in zip(factors, owners, strict=True) if owner in (1, EVERY_RANK)}
+    assert {key for key, f in factors.items() if id(f) in unpacked} == mine
+    assert set(outcome.inverses) == set(factors)  # the others' arrive by broadcast
+    dims = {spec.key: spec.dim for spec in plan.factors}
+    for key in mine:
+        expected = damped_inverse(real(factors[key], dims[key]), 0.1)
+        torch.testing.assert_close(outcome.inverses[key], expected)

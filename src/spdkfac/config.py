@@ -122,10 +122,11 @@ class KFACConfig:
         skip_layers: Module names (a name also skips its children), ``"re:<pattern>"``
             (names the regular expression matches whole), class names (``"Embedding"``)
             or module types.
-        strategy: ``"spd-kfac"`` (default), ``"mpd-kfac"`` or ``"d-kfac"``: a row of
-            :data:`spdkfac.strategies.STRATEGIES`.
+        strategy: ``"spd-kfac"`` (default), ``"mpd-kfac"``, ``"d-kfac"`` or ``"osawa"``: a
+            row of :data:`spdkfac.strategies.STRATEGIES`.
         placement: Overrides the strategy's inverse placement (``"replicated"``,
-            ``"round-robin"`` or ``"balanced"``); None keeps the strategy's.
+            ``"round-robin"``, ``"balanced"`` or ``"layer-owners"``; ``"osawa"`` needs
+            the last); None keeps the strategy's.
         factor_options: How factors are computed (method, compute dtype); see
             :class:`~spdkfac.layers.FactorOptions`.
         factor_exchange: Overrides the strategy's fusion policy (``"after-backward"``,
@@ -207,6 +208,7 @@ class KFACConfig:
         for name in ("normalization", "batchnorm"):
             if getattr(self, name) is not None:
                 check_choice(name, getattr(self, name), get_args(NormalizationMode))
+        self.composition  # noqa: B018 (raises ValueError on an incompatible override)
         if None not in (self.normalization, self.batchnorm) and (
             self.normalization != self.batchnorm
         ):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ from spdkfac.comm import Communicator
 from spdkfac.curvature import CurvatureBlock
 from spdkfac.linalg import (
     InverseMethod,
+    batch_capacity,
     damped_inverse,
+    damped_inverse_batch,
     inverse_dtype,
     pack_triu,
     packed_size,
@@ -104,50 +107,56 @@ def invert_factors(
     *,
     previous: Mapping[str, Tensor | None] | None = None,
     min_group_elements: int = 0,
+    owners_keep: bool = False,
     profiler: Profiler | None = None,
 ) -> InverseOutcome:
     """Compute ``(F + γI)⁻¹`` for every factor, placed as ``plan`` says.
 
-    ``factors`` must be identical on every rank (global factors after the exchange). The
-    owner of a communicated factor inverts it and broadcasts the packed upper triangle
-    asynchronously (grouped as :func:`broadcast_groups` says), so the broadcast overlaps
-    its next inversion; other ranks post the receive at once. Non-communicated factors are
-    inverted locally after every broadcast has been issued, overlapping the transfers.
+    ``factors`` must be identical on every rank (global factors after the exchange), each
+    a full ``[d, d]`` matrix or its packed upper triangle; a packed factor is unpacked
+    only on a rank that inverts it, straight into a batch of same-sized factors inverted
+    in one call (:func:`~spdkfac.linalg.damped_inverse_batch`). The owner of a
+    communicated factor inverts it (batched with its broadcast group's other members) and
+    broadcasts the packed upper triangle asynchronously (grouped as
+    :func:`broadcast_groups` says), so the broadcast overlaps its next inversions; other
+    ranks post the receive at once. Non-communicated factors are inverted locally, batched,
+    after every broadcast has been issued, overlapping the transfers. Batches are formed
+    from replicated facts only, so every rank computes a non-communicated inverse alike.
 
     An inversion that fails (non-finite factor, or every fallback of
     :func:`~spdkfac.linalg.damped_inverse` failed) never skips a collective: the owner
     still sends (zeros) and, with more than one rank, one all-reduce of per-factor failure
     flags ends the phase, so every rank replaces the same factors by their ``previous``
     inverse.
+
+    With ``owners_keep`` (Osawa et al.'s owner-computes exchange) ``factors`` holds this
+    rank's own factors only: each rank inverts what it owns and nothing is broadcast; the
+    failure flags still cover every factor of the plan, so the all-reduce is the same on
+    every rank.
     """
     rank = communicator.rank
     profiler = profiler or Profiler()
     keys = [spec.key for spec in plan.factors if spec.key in factors]
-    failed_here: set[str] = set()
-
-    def invert(key: str) -> Tensor | None:
-        with profiler.span(span_name(Phase.INVERSE_COMPUTE, key)):
-            try:
-                return damped_inverse(factors[key], damping, method)
-            except (ValueError, RuntimeError) as error:  # InversionError, LinAlgError, …
-                failed_here.add(key)
-                warnings.warn(
-                    f"spdkfac: inverting {key} failed ({error}); keeping its previous inverse",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                return None
-
-    inverses: dict[str, Tensor | None] = {}
+    dims = {spec.key: spec.dim for spec in plan.factors}
+    invert = _Inverter(factors, dims, damping, method, profiler)
+    inverses = invert.inverses
     if communicator.world_size == 1:
-        inverses = {key: invert(key) for key in keys}
-        return _outcome(inverses, failed_here, previous)
+        invert(keys)
+        return _outcome(inverses, invert.failed, previous)
+    if owners_keep:
+        invert(keys)
+        return _outcome(
+            inverses,
+            _agree_failures(
+                communicator, [spec.key for spec in plan.factors], invert.failed, profiler
+            ),
+            previous,
+        )
     pending: list[tuple[BroadcastGroup, Future[Tensor]]] = []
     for group in broadcast_groups(plan, factors, min_group_elements):
         dtype = inverse_dtype(factors[group.keys[0]].dtype)
         if group.owner == rank:
-            for key in group.keys:
-                inverses[key] = invert(key)
+            invert(group.keys)
             with profiler.span(span_name(Phase.INVERSE_COMPUTE, "pack")):
                 parts = [
                     pack_triu(inverse)
@@ -159,9 +168,13 @@ def invert_factors(
         else:
             buffer = torch.empty(group.elements, dtype=dtype, device=communicator.device)
         pending.append((group, communicator.broadcast(buffer, src=group.owner)))
-    for spec, owner in zip(plan.factors, plan.owners, strict=True):
-        if owner == EVERY_RANK and spec.key in factors:
-            inverses[spec.key] = invert(spec.key)
+    invert(
+        [
+            spec.key
+            for spec, owner in zip(plan.factors, plan.owners, strict=True)
+            if owner == EVERY_RANK and spec.key in factors
+        ]
+    )
     for group, future in pending:
         with profiler.span(span_name(Phase.INVERSE_COMM, "wait")):
             received = future.wait()
@@ -174,15 +187,103 @@ def invert_factors(
                 factors[key].device
             )
             offset += size
-    failed: set[str] = set()
-    if keys:  # the keys are replicated, so every rank skips this alike
-        flags = torch.tensor(
-            [float(key in failed_here) for key in keys], device=communicator.device
-        )
-        with profiler.span(span_name(Phase.INVERSE_COMM, "failures")):
-            agreed = communicator.all_reduce_max(flags).wait().cpu().tolist()
-        failed = {key for key, flag in zip(keys, agreed, strict=True) if flag > 0}
-    return _outcome(inverses, failed, previous)
+    # The keys are replicated (factors are), so every rank issues this alike.
+    return _outcome(
+        inverses, _agree_failures(communicator, keys, invert.failed, profiler), previous
+    )
+
+
+class _Inverter:
+    """The inversions of one inverse phase on this rank: same-sized factors in batched
+    calls, each packed factor unpacked straight into its batch (the only place a running
+    factor is unpacked), failures recorded.
+
+    A member whose batched attempt fails is inverted alone by
+    :func:`~spdkfac.linalg.damped_inverse` (its fallbacks and warnings); when that fails
+    too, it is recorded in :attr:`failed` with a warning and maps to None.
+    """
+
+    def __init__(
+        self,
+        factors: Mapping[str, Tensor],
+        dims: Mapping[str, int],
+        damping: float,
+        method: InverseMethod,
+        profiler: Profiler,
+    ) -> None:
+        self._factors = factors
+        self._dims = dims
+        self._damping = damping
+        self._method = method
+        self._profiler = profiler
+        self.inverses: dict[str, Tensor | None] = {}
+        self.failed: set[str] = set()
+
+    def __call__(self, keys: Sequence[str]) -> None:
+        """Invert ``keys``: batches of one dimension, dtype and device (at most
+        :func:`~spdkfac.linalg.batch_capacity` each), in first-seen order."""
+        batches: dict[tuple[int, torch.dtype, torch.device], list[str]] = {}
+        for key in keys:
+            factor = self._factors[key]
+            kind = (self._dims[key], inverse_dtype(factor.dtype), factor.device)
+            batches.setdefault(kind, []).append(key)
+        for (dim, dtype, device), members in batches.items():
+            capacity = batch_capacity(dim, dtype)
+            for start in range(0, len(members), capacity):
+                self._batch(members[start : start + capacity], dim, dtype, device)
+
+    def _batch(
+        self, members: list[str], dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        start = time.perf_counter()
+        stack = torch.empty(len(members), dim, dim, dtype=dtype, device=device)
+        for matrix, key in zip(stack, members, strict=True):
+            factor = self._factors[key]
+            if factor.dim() == 1 and factor.dtype == dtype:
+                unpack_triu(factor, dim, out=matrix)
+            else:
+                matrix.copy_(factor if factor.dim() == 2 else unpack_triu(factor, dim))
+        try:
+            first = damped_inverse_batch(stack, self._damping, self._method)
+        except (ValueError, RuntimeError):  # e.g. a bad damping: each member reports it
+            first = [None] * len(members)
+        if self._profiler.enabled:
+            # Per-factor spans (what the simulator's profiled costs read): equal shares of
+            # the batch, whose members have the same size.
+            share = (time.perf_counter() - start) / len(members)
+            for position, key in enumerate(members):
+                begin = start + position * share
+                name = span_name(Phase.INVERSE_COMPUTE, key)
+                self._profiler.record(name, begin, begin + share)
+        for key, inverse in zip(members, first, strict=True):
+            self.inverses[key] = inverse if inverse is not None else self._alone(key, dim)
+
+    def _alone(self, key: str, dim: int) -> Tensor | None:
+        factor = self._factors[key]
+        with self._profiler.span(span_name(Phase.INVERSE_COMPUTE, key)):
+            try:
+                full = unpack_triu(factor, dim) if factor.dim() == 1 else factor
+                return damped_inverse(full, self._damping, self._method)
+            except (ValueError, RuntimeError) as error:  # InversionError, LinAlgError, …
+                self.failed.add(key)
+                warnings.warn(
+                    f"spdkfac: inverting {key} failed ({error}); keeping its previous inverse",
+                    RuntimeWarning,
+                    stacklevel=5,  # invert_factors' caller
+                )
+                return None
+
+
+def _agree_failures(
+    communicator: Communicator, keys: Sequence[str], failed_here: set[str], profiler: Profiler
+) -> set[str]:
+    """The keys whose inversion failed on some rank (one all-reduce; none without keys)."""
+    if not keys:
+        return set()
+    flags = torch.tensor([float(key in failed_here) for key in keys], device=communicator.device)
+    with profiler.span(span_name(Phase.INVERSE_COMM, "failures")):
+        agreed = communicator.all_reduce_max(flags).wait().cpu().tolist()
+    return {key for key, flag in zip(keys, agreed, strict=True) if flag > 0}
 
 
 def _outcome(
@@ -206,6 +307,7 @@ class InversePhase:
         communicator: The group.
         method: ``"cholesky"`` or ``"eigen"``.
         min_group_elements: Broadcast grouping (see :func:`broadcast_groups`).
+        owners_keep: Owners keep their inverses (owner-computes exchange: no broadcast).
         max_failures: Consecutive inverse updates with a failed inversion tolerated.
         profiler: Where spans are recorded.
     """
@@ -217,10 +319,12 @@ class InversePhase:
         method: InverseMethod,
         *,
         min_group_elements: int,
+        owners_keep: bool = False,
         max_failures: int,
         profiler: Profiler,
     ) -> None:
         self.plan = plan
+        self._owners_keep = owners_keep
         self._communicator = communicator
         self._method = method
         self._min_group_elements = min_group_elements
@@ -249,6 +353,7 @@ class InversePhase:
             self._method,
             previous=previous,
             min_group_elements=self._min_group_elements,
+            owners_keep=self._owners_keep,
             profiler=self._profiler,
         )
         # Blocks take their placed inverses and compute any closed-form ones of their own.

@@ -3,7 +3,9 @@
 A factor is either *communicated* (CT: inverted on one owner rank and broadcast) or
 *non-communicated* (NCT: inverted redundantly on every rank). Planners are pure functions
 of replicated inputs (factor dimensions in registration order, world size, cost model), so
-every rank computes the same :class:`Plan` without communicating.
+every rank computes the same :class:`Plan` without communicating. ``layer-owners`` gives
+all of a layer's factors to one rank, for Osawa et al.'s owner-computes exchange (the
+owner keeps its inverses and preconditions the layer itself).
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ __all__ = [
     "PLACEMENT_POLICIES",
     "Balanced",
     "FactorSpec",
+    "LayerOwners",
     "PlacementPolicy",
     "Plan",
     "Replicated",
     "RoundRobin",
     "plan_balanced",
     "plan_inversions",
+    "plan_layer_owners",
     "plan_replicated",
     "plan_round_robin",
 ]
@@ -193,15 +197,71 @@ def plan_balanced(
     )
 
 
+def layer_owner_seconds(
+    factors: Sequence[FactorSpec], cost_model: CostModel = DEFAULT_COST_MODEL
+) -> dict[str, float]:
+    """Predicted seconds an owner spends on each layer, by layer name.
+
+    The inversions of its factors, the two products of preconditioning ``Ĝ ∇ Â`` (an
+    ``[g, a]`` gradient: ``g·a·(g + a)`` multiply-adds, costed at the inversion model's
+    cubic rate, as one inversion is about ``d³`` of them) and sending the ``g·a``
+    preconditioned elements in the all-gather (the broadcast model). A layer whose A is
+    not placed (a diagonal A, an embedding's) counts its inversion only.
+    """
+    dims: dict[str, dict[str, int]] = {}
+    for spec in factors:
+        dims.setdefault(spec.layer, {})[spec.kind] = spec.dim
+    seconds: dict[str, float] = {}
+    for layer, kinds in dims.items():
+        total = sum(cost_model.inverse_seconds(dim) for dim in kinds.values())
+        if len(kinds) == 2:
+            a, g = kinds["A"], kinds["G"]
+            total += cost_model.inverse.c3 * g * a * (g + a)
+            total += cost_model.broadcast.predict(g * a * cost_model.bytes_per_element)
+        seconds[layer] = total
+    return seconds
+
+
+def plan_layer_owners(
+    factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel = DEFAULT_COST_MODEL
+) -> Plan:
+    """Osawa et al. 2019 (Sec. 3, Fig. 1): one owner per layer, balanced on its total work.
+
+    Every factor of a layer goes to the layer's owner. Layers are taken largest predicted
+    owner time first (:func:`layer_owner_seconds`; ties broken by name) and each goes to
+    the least-loaded rank (ties: lowest rank), as the SPD-KFAC placement does for single
+    factors. The owner computes, so nothing is NCT: with one rank, rank 0 owns everything.
+    """
+    per_layer = layer_owner_seconds(factors, cost_model)
+    heap = [(0.0, rank) for rank in range(world_size)]
+    owner_of: dict[str, int] = {}
+    for layer in sorted(per_layer, key=lambda name: (-per_layer[name], name)):
+        load, rank = heapq.heappop(heap)
+        owner_of[layer] = rank
+        heapq.heappush(heap, (load + per_layer[layer], rank))
+    return Plan(
+        placement="layer-owners",
+        world_size=world_size,
+        factors=tuple(factors),
+        owners=tuple(owner_of[spec.layer] for spec in factors),
+        predicted_seconds=_predicted(factors, cost_model),
+    )
+
+
 class PlacementPolicy(Protocol):
     """Where each factor is inverted: one ``plan`` from replicated inputs.
 
     Attributes:
         name: The name ``placement=`` takes.
+        owns_layers: Every factor of a layer goes to one owner rank (never
+            ``EVERY_RANK`` with several ranks), which the owner-computes exchange needs.
     """
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def owns_layers(self) -> bool: ...
 
     def plan(self, factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel) -> Plan:
         """The placement of ``factors`` over ``world_size`` ranks."""
@@ -213,6 +273,7 @@ class Replicated:
     """D-KFAC: every rank inverts every factor (:func:`plan_replicated`)."""
 
     name: str = "replicated"
+    owns_layers: bool = False
 
     def plan(self, factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel) -> Plan:
         return plan_replicated(factors, world_size, cost_model)
@@ -223,6 +284,7 @@ class RoundRobin:
     """MPD-KFAC: factor i on rank i mod P, every inverse broadcast (:func:`plan_round_robin`)."""
 
     name: str = "round-robin"
+    owns_layers: bool = False
 
     def plan(self, factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel) -> Plan:
         return plan_round_robin(factors, world_size, cost_model)
@@ -234,14 +296,27 @@ class Balanced:
     balanced over the ranks; :func:`plan_balanced`)."""
 
     name: str = "balanced"
+    owns_layers: bool = False
 
     def plan(self, factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel) -> Plan:
         return plan_balanced(factors, world_size, cost_model)
 
 
+@dataclass(frozen=True)
+class LayerOwners:
+    """Osawa et al. 2019's model-parallel stage: each layer has one owner that inverts
+    both its factors and preconditions its gradient (:func:`plan_layer_owners`)."""
+
+    name: str = "layer-owners"
+    owns_layers: bool = True
+
+    def plan(self, factors: Sequence[FactorSpec], world_size: int, cost_model: CostModel) -> Plan:
+        return plan_layer_owners(factors, world_size, cost_model)
+
+
 #: Every placement policy by the name ``placement=`` takes.
 PLACEMENT_POLICIES: Mapping[str, PlacementPolicy] = MappingProxyType(
-    {policy.name: policy for policy in (Replicated(), RoundRobin(), Balanced())}
+    {policy.name: policy for policy in (Replicated(), RoundRobin(), Balanced(), LayerOwners())}
 )
 PLACEMENTS: tuple[str, ...] = tuple(PLACEMENT_POLICIES)
 

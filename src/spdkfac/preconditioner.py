@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from spdkfac.agreement import discover_agreed_blocks, shared_cost_model
-from spdkfac.comm import Communicator, make_communicator
+from spdkfac.comm import BucketLaunches, Communicator, make_communicator
 from spdkfac.comm.fusion import FusionPlan
 from spdkfac.config import (
     KFACConfig,
@@ -29,24 +29,15 @@ from spdkfac.curvature import (
     unwrap_model,
 )
 from spdkfac.inversion import InversePhase
+from spdkfac.ownership import OwnerUpdate, drop_unowned, gather_states
 from spdkfac.placement import Plan
 from spdkfac.profiling import Phase, Profiler, span_name
-from spdkfac.update import (
-    GradientGuard,
-    LearningRates,
-    apply_preconditioned,
-    warn_uncaptured,
-)
+from spdkfac.update import GradientGuard, LearningRates, ReplicatedUpdate, warn_uncaptured
 
 __all__ = ["KFACPreconditioner"]
 
 _STATE_FORMAT = 1
 _OPTIONS = frozenset(option.name for option in fields(KFACConfig))
-
-
-def _all_finite(tensors: Iterable[Tensor]) -> bool:
-    flags = [torch.isfinite(t).all() for t in tensors]
-    return bool(torch.stack(flags).all()) if flags else True
 
 
 class KFACPreconditioner:
@@ -129,13 +120,21 @@ class KFACPreconditioner:
         assert composition.fusion is not None and composition.placement_policy is not None
         costs = shared_cost_model(self._communicator, cost_model)
         specs = [spec for block in self._blocks for spec in block.inverse_specs()]
+        plan = composition.placement_policy.plan(specs, self._communicator.world_size, costs)
+        owners = composition.owner_computes
+        self._update: ReplicatedUpdate | OwnerUpdate = (
+            OwnerUpdate(model, self._blocks, plan, self._communicator, self.profiler)
+            if owners
+            else ReplicatedUpdate(self._blocks, self._communicator, self.profiler)
+        )
         self._inverses = InversePhase(
-            composition.placement_policy.plan(specs, self._communicator.world_size, costs),
+            plan,
             self._communicator,
             self.config.inverse_method,
             min_group_elements=costs.broadcast_group_elements()
             if composition.fuse_broadcasts
             else 0,
+            owners_keep=owners,
             max_failures=self.config.max_inverse_failures,
             profiler=self.profiler,
         )
@@ -149,6 +148,7 @@ class KFACPreconditioner:
             bucket_cap_bytes=int(self.config.bucket_cap_mb * 2**20),
             fusion_warmup_steps=self.config.fusion_warmup_steps,
             comm_dtype=self.config.factor_comm_dtype,
+            owners=plan.owner_by_key if owners else None,
             grad_scale=None if grad_scaler is None else lambda: float(grad_scaler.get_scale()),
             profiler=self.profiler,
         )
@@ -172,6 +172,12 @@ class KFACPreconditioner:
     def plan(self) -> Plan:
         """Where each factor is inverted (see :mod:`spdkfac.placement`)."""
         return self._inverses.plan
+
+    @property
+    def gradient_launches(self) -> BucketLaunches | None:
+        """Launch times of DDP's gradient buckets when the preconditioner owns their
+        communication (``strategy="osawa"`` under DDP), for profiling; else None."""
+        return getattr(self._update, "launches", None)
 
     @property
     def communicator(self) -> Communicator:
@@ -249,32 +255,20 @@ class KFACPreconditioner:
             step = self._step
             self._step += 1
             self._collector.new_step()
-            gradients = self._gradients()
-            usable = _all_finite(gradients.values())
+            gradients, usable = self._update.collect()
             if self.config.is_factor_step(step):
                 usable = self._update_factors(local_ok=usable) and usable
             else:
-                usable = self._agree_on_usable(usable)
+                usable = self._update.agree(usable)
             if self.config.is_inverse_step(step) or self._stale_inverses:
                 self._stale_inverses = False
                 self._inverses.run(self._blocks, self.config.damping_at(step))
-            if not usable:
-                return self._skip()
             kl_clip = self.config.kl_clip_at(step)
             rates = self._rates.at(self.config, step)
-            if not apply_preconditioned(self._blocks, gradients, rates, kl_clip, self.profiler):
+            if not self._update.apply(gradients, rates, kl_clip, usable):
                 return self._skip()
             self._guard.record()
             return True
-
-    def _gradients(self) -> dict[str, Tensor]:
-        """Every block's gradient matrix in its statistics dtype (float32 for bf16/fp16
-        parameters); blocks without a gradient are left out."""
-        return {
-            block.name: grad.to(block.dtype)
-            for block in self._blocks
-            if (grad := block.gradient()) is not None
-        }
 
     def _update_factors(self, *, local_ok: bool) -> bool:
         """Exchange this step's statistics and fold them into the running averages.
@@ -291,16 +285,8 @@ class KFACPreconditioner:
                 block.absorb(new, decay)
         if not self._warned_empty:
             self._warned_empty = True
-            warn_uncaptured(self._blocks)
+            warn_uncaptured(self._update.held())
         return True
-
-    def _agree_on_usable(self, usable: bool) -> bool:
-        """Skip on every rank or on none: gradients need not be replicated (no DDP)."""
-        if self._communicator.world_size == 1:
-            return usable
-        with self.profiler.span(span_name(Phase.FLAG_COMM, "skip")):
-            flag = torch.tensor([0.0 if usable else 1.0], device=self._communicator.device)
-            return float(self._communicator.all_reduce_max(flag).wait()) == 0.0
 
     def _skip(self) -> bool:
         self._skipped_steps += 1
@@ -331,16 +317,23 @@ class KFACPreconditioner:
     def state_dict(self, *, inverses: bool = True) -> dict[str, Any]:
         """Factors, inverses and counters, as a dict of copies (safe to ``torch.save``).
 
-        Factors and inverses are the same on every rank, so any rank's state dict can
-        resume any world size. ``inverses=False`` leaves the inverses out (about half the
+        The state dict holds every layer's factors and inverses, so any rank's resumes any
+        world size. With ``strategy="osawa"`` only a layer's owner holds them: then
+        ``state_dict()`` gathers them from the owners and must be called on every rank
+        (a collective). ``inverses=False`` leaves the inverses out (about half the
         size): loading it recomputes them, with the current damping, at the next step.
         """
+        states = None
+        if isinstance(self._update, OwnerUpdate) and self._communicator.world_size > 1:
+            states = gather_states(self._blocks, self._update.owner_of, self._communicator)
         return {
             "format": _STATE_FORMAT,
             "steps": self._step,
             "skipped_steps": self._skipped_steps,
             "forward_order": self._seen_layers(),
-            **blocks_state_dict(self._blocks, self.config.norm_mode, inverses=inverses),
+            **blocks_state_dict(
+                self._blocks, self.config.norm_mode, inverses=inverses, states=states
+            ),
         }
 
     def memory_bytes(self) -> dict[str, int]:
@@ -358,6 +351,8 @@ class KFACPreconditioner:
                 f"state_dict format {state_dict.get('format')!r} is not {_STATE_FORMAT}"
             )
         self._stale_inverses = load_blocks_state(self._blocks, state_dict, self.config.norm_mode)
+        if isinstance(self._update, OwnerUpdate):  # owners were planned for this world size
+            drop_unowned(self._blocks, self._update.owner_of, self._communicator.rank)
         self._collector.clear()
         self._step = int(state_dict["steps"])
         self._skipped_steps = int(state_dict.get("skipped_steps", 0))

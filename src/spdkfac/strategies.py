@@ -5,8 +5,9 @@ A strategy is a row: a fusion policy (when and how factors are all-reduced,
 :mod:`spdkfac.placement`) and whether an owner's inverses share broadcasts. The
 preconditioner (``strategy=`` plus the ``factor_exchange=`` / ``placement=`` overrides),
 the simulator and ``spdkfac bench`` all read this table. Adding a strategy is one row
-(plus a policy class when it needs a new behaviour); the next axes (a communication
-scheduler, an owner-computes exchange) become further fields of :class:`Strategy`.
+(plus a policy class when it needs a new behaviour); ``owner_computes`` (Osawa et al.'s
+reduce-scatter / owners precondition / all-gather) is one such axis, the next ones (a
+communication scheduler) become further fields of :class:`Strategy`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class Strategy:
             bandwidth time outweighs the start-up time (cost model), instead of one
             broadcast per factor as in the SPD-KFAC paper.
         description: One line for reports.
+        owner_computes: Osawa et al. 2019's hybrid exchange: gradients and factors are
+            reduce-scattered to each layer's owner, which inverts and preconditions, and
+            the preconditioned gradients are all-gathered (no inverse is communicated).
+            Needs a placement that owns layers.
         base: The algorithm (``strategy=`` value) this row modifies; itself for the
             algorithms, None for SGD.
         overrides: The ``KFACPreconditioner`` override options that turn ``base`` into
@@ -46,9 +51,17 @@ class Strategy:
     description: str
     base: str | None = None
     overrides: Mapping[str, str] = field(default_factory=dict)
+    owner_computes: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overrides", MappingProxyType(dict(self.overrides)))
+        placement = self.placement_policy
+        if self.owner_computes and placement is not None and not placement.owns_layers:
+            raise ValueError(
+                f"placement={placement.name!r} cannot be used with strategy={self.base!r}: "
+                "its owners precondition whole layers, so the placement must give every "
+                "factor of a layer to one rank (e.g. 'layer-owners')"
+            )
 
     @property
     def uses_kfac(self) -> bool:
@@ -99,15 +112,31 @@ def compose(
     return replace(row, name=name, description=description, overrides=overrides)
 
 
-def _algorithm(name: str, exchange: str, placement: str, fuse: bool, description: str) -> Strategy:
+def _algorithm(
+    name: str,
+    exchange: str,
+    placement: str,
+    fuse: bool,
+    description: str,
+    *,
+    owner_computes: bool = False,
+) -> Strategy:
     return Strategy(
-        name, FUSION_POLICIES[exchange], PLACEMENT_POLICIES[placement], fuse, description, name
+        name,
+        FUSION_POLICIES[exchange],
+        PLACEMENT_POLICIES[placement],
+        fuse,
+        description,
+        name,
+        owner_computes=owner_computes,
     )
 
 
 #: The named algorithms ``strategy=`` accepts: D-KFAC (replicated inverses), MPD-KFAC
-#: (round-robin, every inverse broadcast) and SPD-KFAC (Shi, Zhang, Li 2021: pipelined
-#: optimal fusion, load-balanced CT/NCT placement).
+#: (round-robin, every inverse broadcast), SPD-KFAC (Shi, Zhang, Li 2021: pipelined
+#: optimal fusion, load-balanced CT/NCT placement) and Osawa et al. 2019's hybrid
+#: data/model-parallel design (reduce-scatter to layer owners, owners invert and
+#: precondition, all-gather of the preconditioned gradients).
 _ALGORITHMS: dict[str, Strategy] = {
     row.name: row
     for row in (
@@ -132,6 +161,14 @@ _ALGORITHMS: dict[str, Strategy] = {
             True,
             "SPD-KFAC: optimal fusion, balanced CT/NCT inverses",
         ),
+        _algorithm(
+            "osawa",
+            "after-backward",
+            "layer-owners",
+            False,
+            "Osawa et al.: reduce-scatter to layer owners, owners precondition, all-gather",
+            owner_computes=True,
+        ),
     )
 }
 ALGORITHMS: tuple[str, ...] = tuple(_ALGORITHMS)
@@ -148,6 +185,13 @@ STRATEGIES: Mapping[str, Strategy] = MappingProxyType(
             "spd-kfac",
             "ablation: SPD-KFAC's placement with D-KFAC's after-backward exchange",
             factor_exchange="after-backward",
+        ),
+        "osawa-pipelined": compose(
+            "osawa-pipelined",
+            "osawa",
+            "Osawa et al.'s owners with SPD-KFAC's pipelined optimal fusion of the factor "
+            "reduce-scatter",
+            factor_exchange="optimal",
         ),
         "pipelining-only": compose(
             "pipelining-only",

@@ -30,11 +30,11 @@ SkipEntry = str | type[nn.Module]
 
 #: Names ``strategy=`` accepts (rows of :data:`spdkfac.strategies.STRATEGIES` that are
 #: algorithms; the ablations are reached with the overrides below).
-StrategyName = Literal["d-kfac", "mpd-kfac", "spd-kfac"]
+StrategyName = Literal["d-kfac", "mpd-kfac", "spd-kfac", "osawa"]
 #: Fusion policies (:data:`spdkfac.comm.fusion.FUSION_POLICIES`).
 FactorExchangeName = Literal["after-backward", "layerwise", "threshold", "optimal"]
 #: Placement policies (:data:`spdkfac.placement.PLACEMENT_POLICIES`).
-PlacementName = Literal["replicated", "round-robin", "balanced"]
+PlacementName = Literal["replicated", "round-robin", "balanced", "layer-owners"]
 #: Curvature of normalization layers' scale and shift (Osawa et al. 2019).
 NormalizationMode = Literal["diagonal", "unit-wise"]
 #: How a layer applied at many positions of each example (a sequence, an image) is

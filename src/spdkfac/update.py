@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from spdkfac.comm import Communicator
 from spdkfac.config import KFACConfig
 from spdkfac.curvature import CurvatureBlock
 from spdkfac.profiling import Phase, Profiler, span_name
@@ -24,11 +25,58 @@ from spdkfac.profiling import Phase, Profiler, span_name
 __all__ = [
     "GradientGuard",
     "LearningRates",
+    "ReplicatedUpdate",
+    "all_finite",
     "apply_preconditioned",
+    "block_gradients",
+    "clip_from_sum",
+    "clip_terms",
     "kl_clip_scale",
     "optimizer_rates",
     "warn_uncaptured",
 ]
+
+
+def all_finite(tensors: Iterable[Tensor]) -> bool:
+    """Whether every element of every tensor is finite (True for none)."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def block_gradients(blocks: Iterable[CurvatureBlock]) -> dict[str, Tensor]:
+    """Each block's gradient matrix in its statistics dtype (float32 for bf16/fp16
+    parameters); blocks without a gradient are left out."""
+    return {
+        block.name: grad.to(block.dtype)
+        for block in blocks
+        if (grad := block.gradient()) is not None
+    }
+
+
+def clip_terms(
+    gradients: Mapping[str, Tensor],
+    preconditioned: Mapping[str, Tensor],
+    rates: Mapping[str, float],
+) -> float:
+    """``Σ_b η_b² ⟨V_b, ∇_b⟩`` over the blocks of ``preconditioned`` (0 for none)."""
+    if not preconditioned:
+        return 0.0
+    terms = [
+        (preconditioned[name] * gradients[name]).sum() * (rates[name] ** 2)
+        for name in preconditioned
+    ]
+    return float(torch.stack(terms).sum())
+
+
+def clip_from_sum(total: float, kl_clip: float | None) -> float | None:
+    """``ν`` from the clip's sum; None when the sum is not finite."""
+    if kl_clip is None:
+        return 1.0
+    if not math.isfinite(total):
+        return None
+    if total == 0.0:
+        return 1.0
+    return min(1.0, math.sqrt(kl_clip / abs(total)))
 
 
 def kl_clip_scale(
@@ -47,16 +95,7 @@ def kl_clip_scale(
     """
     if kl_clip is None or not preconditioned:
         return 1.0
-    terms = [
-        (preconditioned[name] * gradients[name]).sum() * (rates[name] ** 2)
-        for name in preconditioned
-    ]
-    total = float(torch.stack(terms).sum())
-    if not math.isfinite(total):
-        return None
-    if total == 0.0:
-        return 1.0
-    return min(1.0, math.sqrt(kl_clip / abs(total)))
+    return clip_from_sum(clip_terms(gradients, preconditioned, rates), kl_clip)
 
 
 def apply_preconditioned(
@@ -85,6 +124,53 @@ def apply_preconditioned(
                 matrix = preconditioned[block.name]
                 block.set_gradient(matrix.mul_(scale) if scale != 1.0 else matrix)
     return True
+
+
+class ReplicatedUpdate:
+    """The last stage when every rank holds every averaged gradient (DDP, or gradients
+    all-reduced by the caller): every rank preconditions every block.
+
+    Args:
+        blocks: The curvature blocks.
+        communicator: The group (for the skip agreement of non-factor steps).
+        profiler: Where spans are recorded.
+    """
+
+    def __init__(
+        self, blocks: Sequence[CurvatureBlock], communicator: Communicator, profiler: Profiler
+    ) -> None:
+        self._blocks = blocks
+        self._communicator = communicator
+        self._profiler = profiler
+
+    def held(self) -> list[CurvatureBlock]:
+        """The blocks whose factors this rank keeps: all of them."""
+        return list(self._blocks)
+
+    def collect(self) -> tuple[dict[str, Tensor], bool]:
+        """The blocks' gradients and whether they are all finite (this rank's view)."""
+        gradients = block_gradients(self._blocks)
+        return gradients, all_finite(gradients.values())
+
+    def agree(self, usable: bool) -> bool:
+        """Skip on every rank or on none: gradients need not be replicated (no DDP)."""
+        if self._communicator.world_size == 1:
+            return usable
+        with self._profiler.span(span_name(Phase.FLAG_COMM, "skip")):
+            flag = torch.tensor([0.0 if usable else 1.0], device=self._communicator.device)
+            return float(self._communicator.all_reduce_max(flag).wait()) == 0.0
+
+    def apply(
+        self,
+        gradients: Mapping[str, Tensor],
+        rates: Mapping[str, float],
+        kl_clip: float | None,
+        usable: bool,
+    ) -> bool:
+        """Precondition, clip and write back; False (nothing written) to skip the step."""
+        return usable and apply_preconditioned(
+            self._blocks, gradients, rates, kl_clip, self._profiler
+        )
 
 
 def optimizer_rates(

@@ -19,6 +19,8 @@ def test_table_builds_the_expected_kwargs() -> None:
         "d-kfac": {"strategy": "d-kfac"},
         "mpd-kfac": {"strategy": "mpd-kfac"},
         "spd-kfac": {"strategy": "spd-kfac"},
+        "osawa": {"strategy": "osawa"},
+        "osawa-pipelined": {"strategy": "osawa", "factor_exchange": "optimal"},
         "placement-only": {"strategy": "spd-kfac", "factor_exchange": "after-backward"},
         "pipelining-only": {"strategy": "d-kfac", "factor_exchange": "optimal"},
         "fusion:after-backward": {"strategy": "spd-kfac", "factor_exchange": "after-backward"},

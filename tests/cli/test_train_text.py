@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from spdkfac.cli import main
+from spdkfac.optional import optional_import
 
 __all__: list[str] = []
 
@@ -75,8 +76,14 @@ def _final_model(out: Path) -> dict[str, torch.Tensor]:
     return dict(common["model"])
 
 
-def test_resume_is_bit_identical(text_file: Path, tmp_path: Path) -> None:
-    flags = ["--optimizer", "adamw", "--lr", "3e-3", "--gpt-dropout", "0.1"]
+_HEAVYBALL = pytest.mark.skipif(
+    optional_import("heavyball") is None, reason="heavyball is not installed"
+)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", pytest.param("soap", marks=_HEAVYBALL)])
+def test_resume_is_bit_identical(text_file: Path, tmp_path: Path, optimizer: str) -> None:
+    flags = ["--optimizer", optimizer, "--lr", "3e-3", "--gpt-dropout", "0.1"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert _train(text_file, straight, *flags, "--max-steps", "4") == 0
     assert _train(text_file, resumed, *flags, "--max-steps", "2") == 0
@@ -85,6 +92,21 @@ def test_resume_is_bit_identical(text_file: Path, tmp_path: Path) -> None:
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_schedules_in_steps_fit_runs_shorter_than_an_epoch(text_file: Path, tmp_path: Path) -> None:
+    # 45 steps per epoch here: a 30-step warm-up is valid although --epochs is 10, and a
+    # cosine ending after 4 steps leaves the lr at 0 from then on.
+    out = tmp_path / "steps"
+    flags = ["--optimizer", "adamw", "--lr", "3e-3", "--warmup-steps", "2"]
+    assert _train(text_file, out, *flags, "--lr-schedule-steps", "4", "--max-steps", "5") == 0
+    rows = _rows(out)
+    assert float(rows[-1]["lr"]) == 0.0
+    long_warmup = [*flags[:4], "--warmup-steps", "30", "--max-steps", "2"]
+    assert _train(text_file, tmp_path / "long", *long_warmup) == 0
+    with pytest.raises(SystemExit) as exit_info:  # a warm-up as long as the schedule
+        _train(text_file, tmp_path / "bad", "--warmup-steps", "4", "--lr-schedule-steps", "4")
+    assert exit_info.value.code == 2
 
 
 @pytest.mark.parametrize(

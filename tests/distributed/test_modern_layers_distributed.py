@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distributed_helper import run_distributed
 from spdkfac import KFACPreconditioner
 
-STRATEGIES = ("d-kfac", "mpd-kfac", "spd-kfac")
+STRATEGIES = ("d-kfac", "mpd-kfac", "spd-kfac", "osawa")
 SHARING = ("expand", "reduce")
 GLOBAL_BATCH, LENGTH, VOCAB = 6, 5, 9
 

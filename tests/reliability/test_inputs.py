@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,10 @@ class _CountingGroup:
         future: Future[list[Tensor]] = Future()
         future.set_result([tensor, tensor.clone()])
         return future
+
+    def reduce_scatter(self, chunks: Sequence[Tensor]) -> Future[Tensor]:
+        self.calls.append("reduce_scatter")
+        return completed(chunks[0].clone())
 
     def duplicate(self) -> _CountingGroup:
         return self

@@ -9,6 +9,7 @@ import pytest
 from spdkfac.costmodel import AlphaBetaModel
 from spdkfac.sim import (
     NETWORKS,
+    PRESETS,
     Anchor,
     CollectiveCost,
     CollectiveOp,
@@ -24,7 +25,7 @@ from spdkfac.sim.clusters import NCCL_LIKE, RING_ONLY
 from spdkfac.sim.collectives import flat_line
 from spdkfac.sim.paper import PAPER_ALLREDUCE, PAPER_BROADCAST
 
-AR, BC = CollectiveOp.ALL_REDUCE, CollectiveOp.BROADCAST
+AR, BC, RD = CollectiveOp.ALL_REDUCE, CollectiveOp.BROADCAST, CollectiveOp.REDUCE
 RS, AG = CollectiveOp.REDUCE_SCATTER, CollectiveOp.ALL_GATHER
 US = 1e-6
 # Inside a node 1 µs and 1e-10 s/byte; across nodes 10 µs and 1e-9 s/byte per node.
@@ -165,3 +166,24 @@ def test_cluster_networks_are_ordered_by_their_links(name: str) -> None:
         > NETWORKS["ib200"].cost(AR, 256).predict(big)
         > NETWORKS["ib400"].cost(AR, 256).predict(big)
     )
+
+
+@pytest.mark.parametrize("preset", ["paper", "paper-nccl", "ib100", "abci", "eth10", "cpu"])
+def test_a_reduce_costs_what_a_broadcast_does(preset: str) -> None:
+    # A reduce is a broadcast run backwards: the same chain or tree, the same bytes per
+    # link (its arithmetic uncosted), so every network prices it as the broadcast,
+    # anchored or not, at every world size and message size.
+    for ranks in (2, 3, 8):
+        _close(flat_line(RD, Shape.RING, ranks, SLOW), (ranks - 1) * SLOW.alpha, SLOW.beta)
+        _close(
+            flat_line(RD, Shape.TREE, ranks, SLOW),
+            math.ceil(math.log2(ranks)) * SLOW.alpha,
+            SLOW.beta,
+        )
+    topology = Topology(gpus_per_node=4, intra=FAST, inter=SLOW)
+    # A chain inside the node, then across the nodes: the broadcast's 33 µs + 1.1e-9/B.
+    _close(Hierarchical(Shape.RING).line(RD, topology, 16), 33 * US, 1.1e-9)
+    hardware = PRESETS[preset]()
+    for ranks in (1, 2, 16, 64, 1024):
+        reduce, broadcast = hardware.collective(RD, ranks), hardware.collective(BC, ranks)
+        assert reduce.names == broadcast.names and reduce.lines == broadcast.lines

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from spdkfac.costmodel import AlphaBetaModel
+from spdkfac.profiling import Event
 from spdkfac.sim import (
     STRATEGY_TABLE,
     CommunicationModel,
@@ -17,12 +18,14 @@ from spdkfac.sim import (
     Hardware,
     LayerSpec,
     Op,
+    Wait,
     Workload,
     cpu_preset,
     simulate_strategy,
     workload_for,
 )
 from spdkfac.sim.costs import WorkloadCosts
+from spdkfac.sim.program import Instruction
 from spdkfac.sim.strategies import StrategySetup, prepare
 from spdkfac.sim.timeline import build_iteration
 
@@ -69,6 +72,27 @@ def _inverse_phase(setup: StrategySetup) -> float:
     return max(clock)
 
 
+def _synchronised(programs: list[list[Instruction]]) -> float:
+    """Free collectives where every wait ends a segment that every rank issued its last
+    collective in: each wait releases every rank together, when the busiest arrives; the
+    iteration is the sum over segments of the busiest rank's compute."""
+    segments: list[list[float]] = []
+    for program in programs:
+        times = [0.0]
+        for step in program:
+            if isinstance(step, Compute):
+                times[-1] += step.seconds
+            elif isinstance(step, Wait):
+                times.append(0.0)
+        segments.append(times)
+    assert len({len(times) for times in segments}) == 1
+    return sum(max(column) for column in zip(*segments, strict=True))
+
+
+def _span_total(events: tuple[Event, ...], name: str, world_size: int) -> float:
+    return sum(e.duration for e in events if e.name == name) / world_size
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_free_communication_leaves_the_compute_sum(world_size: int) -> None:
     """Without communication costs an iteration is its computation: the busiest rank's
@@ -86,7 +110,14 @@ def test_free_communication_leaves_the_compute_sum(world_size: int) -> None:
             for program in programs
         )
         result = simulate_strategy(workload, hardware, world_size, name)
-        if strategy.placement in (None, "replicated"):
+        unpacked = _span_total(result.events, "kfac/factor_comm/unpack", world_size)
+        if strategy.owner_computes:
+            # Owners differ in every phase after the factor wait; each phase ends at a
+            # collective every rank waits for (unpacking too: a flag agrees they are finite).
+            assert result.iteration_s == pytest.approx(_synchronised(programs), rel=1e-12)
+            assert result.iteration_s >= busiest * (1 - 1e-12)
+            unpacked = max(e.duration for e in result.events if e.name == "kfac/factor_comm/unpack")
+        elif strategy.placement in (None, "replicated"):
             assert result.iteration_s == pytest.approx(busiest, rel=1e-12), name
             assert result.breakdown["InverseComm"] == pytest.approx(0.0, abs=1e-12), name
         else:
@@ -94,12 +125,7 @@ def test_free_communication_leaves_the_compute_sum(world_size: int) -> None:
             assert result.iteration_s == pytest.approx(expected, rel=1e-12), name
             assert result.iteration_s >= busiest * (1 - 1e-12)
         assert result.breakdown["GradComm"] == pytest.approx(0.0, abs=1e-12), name
-        assert result.breakdown["FactorComm"] == pytest.approx(
-            sum(e.duration for e in result.events if e.name == "kfac/factor_comm/unpack")
-            / world_size,
-            rel=1e-9,
-            abs=1e-12,
-        ), name
+        assert result.breakdown["FactorComm"] == pytest.approx(unpacked, rel=1e-9, abs=1e-12), name
 
 
 def _random_workload(rng: random.Random) -> Workload:

@@ -145,7 +145,9 @@ class _VariantRun:
         self.launches = BucketLaunches()
         if comm.world_size > 1:
             ddp = nn.parallel.DistributedDataParallel(model)
-            ddp.register_comm_hook(None, timed_allreduce_hook(self.launches))
+            # The owner-computes exchange registers its own hook, which records launches.
+            if not VARIANTS[name].row.owner_computes:
+                ddp.register_comm_hook(None, timed_allreduce_hook(self.launches))
             model = ddp
         self.model = model
         self.optimizer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9)
@@ -166,6 +168,7 @@ class _VariantRun:
                 profile=True,
             )
             self.profiler = self.precond.profiler
+            self.launches = self.precond.gradient_launches or self.launches
         else:
             self.profiler = Profiler(enabled=True, rank=comm.rank)
         self.times: list[float] = []

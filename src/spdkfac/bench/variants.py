@@ -69,6 +69,7 @@ VARIANTS: Mapping[str, Variant] = MappingProxyType(
 PRESETS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "main": ("sgd", "d-kfac", "mpd-kfac", "spd-kfac", "placement-only", "pipelining-only"),
+        "osawa": ("sgd", "d-kfac", "mpd-kfac", "spd-kfac", "osawa", "osawa-pipelined"),
         "fig10": (
             "fusion:after-backward",
             "fusion:layerwise",

@@ -1,4 +1,5 @@
-"""``spdkfac simulate``: project D-KFAC, MPD-KFAC and SPD-KFAC onto clusters we do not have."""
+"""``spdkfac simulate``: project D-KFAC, MPD-KFAC, SPD-KFAC and Osawa et al.'s owner-computes
+K-FAC onto clusters we do not have."""
 
 from __future__ import annotations
 
@@ -87,12 +88,13 @@ def add_parser(verbs: Any) -> None:
     """Register the ``simulate`` verb on an ``argparse`` sub-parser collection."""
     parser: argparse.ArgumentParser = verbs.add_parser(
         "simulate",
-        help="simulate D-KFAC, MPD-KFAC, SPD-KFAC and ablations on P workers",
+        help="simulate D-KFAC, MPD-KFAC, SPD-KFAC, Osawa et al. and ablations on P workers",
         description=(
             "Trace the model's layer shapes on the meta device, plan every strategy with the "
             "real planners and simulate one iteration per rank with a discrete-event model "
             "(compute stream, FIFO collectives sharing each rank's link, α-β costs). Prints "
-            "iteration times and the profiler's breakdown per strategy and worker count."
+            "iteration times, the profiler's breakdown and the factor + inverse memory of "
+            "the most loaded rank per strategy and worker count."
         ),
     )
     add = parser.add_argument

@@ -37,6 +37,9 @@ _HELP: dict[str, str] = {
     "gpt_dim": "gpt: width of the residual stream",
     "gpt_dropout": "gpt: dropout probability",
     "train_limit": "image datasets: train on the first N training images only",
+    "val_split": "hold out this fraction of the training data and evaluate on it instead "
+    "of the test set (images: a fixed random subset, scored as val_accuracy) or the "
+    "validation split (text: the training split's last stretch), e.g. for tuning; 0: off",
     "epochs": "training epochs",
     "max_steps": "stop after this many optimizer steps (checkpoints still written)",
     "eval_every": "evaluate (and write a metrics.csv row) every N optimizer steps and at "
@@ -46,18 +49,23 @@ _HELP: dict[str, str] = {
     "batch_size": "examples per worker per optimizer step",
     "accumulation_steps": "forward/backward passes per optimizer step (gradient accumulation)",
     "optimizer": f"optimizer: {', '.join(OPTIMIZERS)} (kfac = SGD preconditioned by K-FAC, "
-    "kfac-adamw = AdamW preconditioned by K-FAC)",
+    "kfac-adamw = AdamW preconditioned by K-FAC, muon = torch.optim.Muon on hidden weight "
+    "matrices with AdamW on embeddings, head, norms and biases, soap = SOAP from the "
+    "heavyball package)",
     "lr": "peak learning rate",
-    "momentum": "SGD momentum, in [0, 1) (AdamW keeps its default betas)",
+    "momentum": "SGD and Muon momentum, in [0, 1) (AdamW and SOAP keep their default betas)",
     "nesterov": "Nesterov momentum (SGD)",
     "weight_decay": "L2 weight decay after preconditioning (AdamW: decoupled weight decay)",
     "lr_schedule": f"learning-rate schedule: {', '.join(LR_SCHEDULES)}",
     "warmup_epochs": "linear learning-rate warm-up, in epochs",
+    "warmup_steps": "linear learning-rate warm-up, in optimizer steps (not with --warmup-epochs)",
     "milestones": "epochs where the step schedule multiplies the lr by --lr-gamma",
     "lr_gamma": "factor of the step schedule",
     "poly_power": "power p of the polynomial decay (Osawa et al.)",
     "poly_start_epoch": "epoch where the polynomial decay starts",
     "poly_end_epoch": "epoch where the polynomial decay reaches 0 (default: --epochs)",
+    "lr_schedule_steps": "cosine and polynomial schedules end after this many optimizer "
+    "steps instead of at --epochs (the run goes on to --epochs or --max-steps)",
     "strategy": "distributed K-FAC strategy: spd-kfac, mpd-kfac or d-kfac",
     "damping": "K-FAC damping (the target of the damping warm-up)",
     "damping_initial": "initial damping of the warm-up (Osawa et al.)",
@@ -115,7 +123,8 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     "milestones": {"type": float, "nargs": "*"},
     "data": {"type": str},
     **{name: {"type": int} for name in ("max_steps", "threads", "stale_switch_step",
-                                         "train_limit", "eval_every", "evals_per_epoch")},
+                                         "train_limit", "eval_every", "evals_per_epoch",
+                                         "lr_schedule_steps", "warmup_steps")},
     **{name: {"type": float} for name in ("damping_initial", "poly_end_epoch", "kl_clip")},
 }  # fmt: skip
 
@@ -129,8 +138,9 @@ def add_parser(verbs: Any) -> None:
         usage="%(prog)s [--config FILE] [--OPTION VALUE ...] (--help lists the options)",
         description=(
             "Train a built-in model (an image classifier, or gpt on a byte-level text) with "
-            "SGD or AdamW, optionally preconditioned by K-FAC, data parallel under torchrun, "
-            "with Osawa et al.'s large-batch schemes, atomic checkpoints and --resume. "
+            "SGD, AdamW, Muon or SOAP (SGD and AdamW optionally preconditioned by K-FAC), "
+            "data parallel under torchrun, with Osawa et al.'s large-batch schemes, atomic "
+            "checkpoints and --resume. "
             "Options may come from --config FILE (TOML or YAML, keys as below with "
             "underscores); flags given on the command line win."
         ),
@@ -181,11 +191,20 @@ def run(args: argparse.Namespace) -> int:
     config = _config_from_args(args)
     from spdkfac.data.text import TextCorpusError
     from spdkfac.training.checkpoint import CheckpointError
+    from spdkfac.training.optimizers import require_base
     from spdkfac.training.setup import build_schedules
     from spdkfac.training.trainer import train
 
     try:
-        build_schedules(config, steps_per_epoch=1)  # schedule errors exit 2 here, too
+        # Schedule errors exit 2 here, too. The epoch length is not known before the data
+        # is read: one step per epoch checks epoch-valued options exactly; a warm-up in
+        # steps against a schedule in epochs is checked as shorter than one epoch (and
+        # against the real epoch length when the run starts).
+        steps_per_epoch = 1
+        if config.warmup_steps is not None and config.lr_schedule_steps is None:
+            steps_per_epoch = config.warmup_steps + 1
+        build_schedules(config, steps_per_epoch=steps_per_epoch)
+        require_base(config.base_optimizer)  # so does a missing optimizer package
         if config.model.lower().startswith(TORCHVISION_PREFIX):
             # A missing torchvision or model name exits 2 here, before loading any data.
             torchvision_builder(config.model[len(TORCHVISION_PREFIX) :])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -61,6 +62,16 @@ class Communicator(Protocol):
 
     def all_gather(self, tensor: Tensor) -> Future[list[Tensor]]:
         """Every rank's ``tensor`` (same shape on all ranks), in rank order."""
+        ...
+
+    def reduce_scatter(self, chunks: Sequence[Tensor]) -> Future[Tensor]:
+        """ReduceScatterV: chunk ``r`` of every rank, summed, arrives at rank ``r`` only.
+
+        ``chunks`` holds one 1-D tensor per rank, in rank order, of the same sizes on
+        every rank (they may differ between ranks' chunks, and be empty). The future
+        gives this rank's summed chunk (possibly its input, reduced in place); the other
+        inputs may be overwritten.
+        """
         ...
 
     def duplicate(self) -> Communicator:

@@ -1,17 +1,21 @@
-"""DDP communication hooks that time when each gradient bucket's all-reduce is launched."""
+"""DDP communication hooks: timing each gradient bucket's all-reduce, and reducing buckets
+to the layer owners of the owner-computes exchange."""
 
 # No ``from __future__ import annotations`` here: DDP inspects the hook's signature and
 # accepts only the real ``GradBucket`` class (or nothing) as the bucket's annotation.
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch._C._distributed_c10d import GradBucket  # torch.distributed.GradBucket itself
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-__all__ = ["BucketLaunches", "DDPCommHook", "timed_allreduce_hook"]
+from spdkfac.comm.base import Communicator
+from spdkfac.comm.owners import EVERYONE, reduce_to_owners
+
+__all__ = ["BucketLaunches", "DDPCommHook", "owner_reduce_hook", "timed_allreduce_hook"]
 
 #: The contract of ``DistributedDataParallel.register_comm_hook``.
 DDPCommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
@@ -53,5 +57,45 @@ def timed_allreduce_hook(recorder: Callable[[int, float], None]) -> DDPCommHook:
     def hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         recorder(bucket.index(), time.perf_counter())
         return allreduce_hook(state, bucket)
+
+    return hook
+
+
+def owner_reduce_hook(
+    communicator: Communicator,
+    owner_of: Mapping[int, int],
+    recorder: Callable[[int, float], None] | None = None,
+) -> DDPCommHook:
+    """A hook that averages each bucket to the layer owners instead of all-reducing it.
+
+    The bucket's parameters owned by a rank (``owner_of[id(parameter)]``) are
+    reduce-scattered to it; the rest (``EVERYONE``'s: parameters without an owner) are
+    all-reduced (:func:`~spdkfac.comm.owners.reduce_to_owners`). Only this rank's own and
+    everyone's gradients are averages afterwards; the owner-computes step all-gathers the
+    others' preconditioned gradients. Register it with
+    ``ddp_model.register_comm_hook(None, hook)``; ``recorder`` is called like
+    :func:`timed_allreduce_hook`'s.
+    """
+
+    def hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if recorder is not None:
+            recorder(bucket.index(), time.perf_counter())
+        buffer = bucket.buffer()
+        pieces = []
+        owners = []
+        offset = 0
+        for parameter in bucket.parameters():
+            size = parameter.numel()
+            pieces.append(buffer[offset : offset + size])
+            owners.append(owner_of.get(id(parameter), EVERYONE))
+            offset += size
+        if offset != buffer.numel():
+            raise RuntimeError(
+                f"spdkfac: a DDP gradient bucket holds {buffer.numel()} elements, its "
+                f"parameters {offset}: cannot split it by owner"
+            )
+        dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
+        done = reduce_to_owners(communicator, pieces, owners, dtype=dtype)
+        return done.then(lambda _done: buffer)
 
     return hook

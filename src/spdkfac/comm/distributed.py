@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import os
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -158,6 +159,28 @@ class TorchDistributedCommunicator:
         assert work is not None
         gathered: Future[list[Tensor]] = work.get_future().then(lambda _done: outputs)
         return gathered
+
+    def reduce_scatter(self, chunks: Sequence[Tensor]) -> Future[Tensor]:
+        world, rank = self._world_size, self._rank
+        if len(chunks) != world:
+            raise ValueError(
+                f"reduce_scatter needs one chunk per rank ({world}), got {len(chunks)}"
+            )
+        # ReduceScatterV as one reduce per owner: each moves its chunk's bytes once per
+        # link whatever the other chunks' sizes, where an all-to-all (or NCCL's
+        # reduce-scatter, padded to equal chunks) would make every owner receive P − 1
+        # copies of the largest chunk. Empty chunks issue nothing (sizes are replicated).
+        works = []
+        for owner, chunk in enumerate(chunks):
+            if chunk.numel() == 0:
+                continue
+            dst = owner if self._group is None else dist.get_global_rank(self._group, owner)
+            work = dist.reduce(chunk, dst=dst, group=self._group, async_op=True)
+            assert work is not None
+            works.append(work.get_future())
+        mine = chunks[rank]
+        reduced: Future[Tensor] = torch.futures.collect_all(works).then(lambda _done: mine)
+        return reduced
 
     def duplicate(self) -> TorchDistributedCommunicator:
         if self._group is None:

@@ -6,14 +6,19 @@ as soon as they are complete when the plan is eager (pipelined with the forward 
 backward passes), else at :meth:`FactorExchange.finish`. ``finish`` then all-reduces one
 small tensor with every slot's weight and a flag for ranks whose gradients were not
 finite. Every rank ends with ``Σ_r w_r F_r / Σ_r w_r``: the example-weighted global
-average, the same as single-process K-FAC on the concatenated batch. A rank that did not
-use a layer sends zeros with weight 0, so the collectives never depend on local data or
-on the order hooks fire in.
+average, the same as single-process K-FAC on the concatenated batch, still packed: running
+averages are elementwise, so factors stay packed until (and only where) one is inverted.
+A rank that did not use a layer sends zeros with weight 0, so the collectives never
+depend on local data or on the order hooks fire in.
+
+With ``owners`` (Osawa et al. 2019, Sec. 3: ReduceScatterV), each bucket is laid out by
+owner rank and reduce-scattered instead: a slot's global factor arrives at its owner
+only, every other rank gets None for it (and keeps no copy).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +27,7 @@ from torch.futures import Future
 
 from spdkfac.comm.base import Communicator
 from spdkfac.comm.fusion import FusionPlan
-from spdkfac.linalg import is_finite, pack_triu, packed_size, unpack_triu
+from spdkfac.linalg import all_finite, pack_triu, packed_size
 
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "ExchangeResult", "FactorExchange", "PendingExchange"]
 
@@ -34,7 +39,9 @@ class ExchangeResult:
     """What every rank holds after an exchange (identical on all ranks).
 
     Attributes:
-        factors: Global example-weighted average per slot key, None when no rank had one.
+        factors: Global example-weighted average per slot key as a packed upper triangle
+            (:func:`~spdkfac.linalg.pack_triu`), None when no rank had one (or, with
+            owners, where it went to another rank).
         flagged_ranks: Ranks that reported non-finite gradients.
         finite: Whether every reduced factor is finite (a NaN on any rank reaches all).
     """
@@ -50,25 +57,25 @@ class ExchangeResult:
 
 
 class PendingExchange:
-    """The in-flight collectives of one step; :meth:`wait` unpacks the result."""
+    """The in-flight collectives of one step; :meth:`wait` gives the result."""
 
     def __init__(self, exchange: FactorExchange, futures: list[Future[Tensor]]) -> None:
         self._exchange = exchange
         self._futures = futures
 
     def wait(self) -> ExchangeResult:
-        """Block until every bucket and the weights are reduced; unpack the factors."""
+        """Block until every bucket and the weights are reduced; scale the factors."""
         self.wait_transfers()
-        return self.unpack()
+        return self.result()
 
     def wait_transfers(self) -> None:
         """Block until every bucket and the weights are reduced."""
         for future in self._futures:
             future.wait()
 
-    def unpack(self) -> ExchangeResult:
-        """Rebuild the factors (after :meth:`wait_transfers`)."""
-        return self._exchange._unpack()
+    def result(self) -> ExchangeResult:
+        """Each factor's average from the reduced sums (after :meth:`wait_transfers`)."""
+        return self._exchange._result()
 
 
 class FactorExchange:
@@ -84,6 +91,8 @@ class FactorExchange:
         plan: Which slots travel together, and when.
         dtype: Dtype of the reduced factors.
         comm_dtype: Dtype factors travel in (e.g. ``torch.bfloat16``); default ``dtype``.
+        owners: Owner rank per slot key: reduce-scatter each bucket to the owners instead
+            of all-reducing it (None: all-reduce).
     """
 
     def __init__(
@@ -94,8 +103,15 @@ class FactorExchange:
         *,
         dtype: torch.dtype = torch.float32,
         comm_dtype: torch.dtype | None = None,
+        owners: Mapping[str, int] | None = None,
     ) -> None:
         self._communicator = communicator
+        if owners is not None:
+            missing = sorted(key for key, _ in slots if key not in owners)
+            if missing:
+                raise ValueError(f"owners: no owner rank for factor slots {missing}")
+            owners = {key: owners[key] for key, _ in slots}
+        self._owners = owners
         self._dims = dict(slots)
         self._index = {key: index for index, (key, _) in enumerate(slots)}
         self._dtype = dtype
@@ -124,11 +140,20 @@ class FactorExchange:
         self._plan = plan
         self._location: dict[str, tuple[int, int]] = {}
         self._buffers: list[Tensor] = []
+        # With owners, per bucket: elements per owner (its chunk of the reduce-scatter).
+        self._chunks: list[list[int]] = []
+        self._received: dict[int, Future[Tensor]] = {}
         for bucket_index, bucket in enumerate(plan.buckets):
             offset = 0
-            for key in bucket:
+            owners = self._owners
+            chunks = [0] * self._communicator.world_size
+            # Laid out by owner (stable), so each owner's slots form one chunk.
+            for key in bucket if owners is None else sorted(bucket, key=owners.__getitem__):
                 self._location[key] = (bucket_index, offset)
                 offset += packed_size(self._dims[key])
+                if owners is not None:
+                    chunks[owners[key]] += packed_size(self._dims[key])
+            self._chunks.append(chunks)
             device = self._communicator.device
             self._buffers.append(torch.zeros(offset, dtype=self._comm_dtype, device=device))
         self._missing = [len(bucket) for bucket in plan.buckets]
@@ -183,21 +208,49 @@ class FactorExchange:
             self._launch(self._next)
 
     def _launch(self, index: int) -> None:
-        self._futures.append(self._communicator.all_reduce_sum(self._buffers[index]))
+        buffer = self._buffers[index]
+        if self._owners is None:
+            self._futures.append(self._communicator.all_reduce_sum(buffer))
+        else:
+            future = self._communicator.reduce_scatter(list(buffer.split(self._chunks[index])))
+            self._received[index] = future
+            self._futures.append(future)
         self._next = index + 1
 
-    def _unpack(self) -> ExchangeResult:
+    def _reduced(self, key: str) -> Tensor | None:
+        """The summed packed slot, or None where it did not arrive (another owner's)."""
+        bucket, offset = self._location[key]
+        size = packed_size(self._dims[key])
+        if self._owners is None:
+            return self._buffers[bucket][offset : offset + size]
+        rank = self._communicator.rank
+        if self._owners[key] != rank:
+            return None
+        start = offset - sum(self._chunks[bucket][:rank])  # offset within this rank's chunk
+        return self._received[bucket].value()[start : start + size]
+
+    def _result(self) -> ExchangeResult:
         weights = self._weights.cpu().tolist()
         factors: dict[str, Tensor | None] = {}
-        finite = True
-        for key, (bucket, offset) in self._location.items():
+        arrived: list[Tensor] = []
+        for key in self._location:
             weight = weights[self._index[key]]
-            if weight <= 0:
+            packed = self._reduced(key)
+            if weight <= 0 or packed is None:
                 factors[key] = None
                 continue
-            dim = self._dims[key]
-            packed = self._buffers[bucket][offset : offset + packed_size(dim)]
-            factor = unpack_triu(packed.to(self._dtype).div_(weight), dim)
-            finite = finite and is_finite(factor)
+            # A new tensor per factor: the buckets are zeroed and reused by the next step.
+            # (Dividing a whole bucket at once was measured slower on the CPU: one large
+            # fresh allocation per step instead of many recycled ones.)
+            if packed.dtype == self._dtype:
+                factor = packed.div(weight)
+            else:
+                factor = packed.to(self._dtype).div_(weight)
+            arrived.append(factor)
             factors[key] = factor
+        finite = all_finite(arrived)
+        self._received = {}
+        if self._owners is not None:  # each rank saw its own factors only: agree
+            flag = torch.tensor([0.0 if finite else 1.0], device=self._communicator.device)
+            finite = float(self._communicator.all_reduce_max(flag).wait()) == 0.0
         return ExchangeResult(factors=factors, flagged_ranks=round(weights[-1]), finite=finite)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 from torch.futures import Future
@@ -44,6 +46,11 @@ class LocalCommunicator:
         future: Future[list[Tensor]] = Future()
         future.set_result([tensor])
         return future
+
+    def reduce_scatter(self, chunks: Sequence[Tensor]) -> Future[Tensor]:
+        if len(chunks) != 1:
+            raise ValueError(f"reduce_scatter needs one chunk in a group of one, got {len(chunks)}")
+        return completed(chunks[0])
 
     def duplicate(self) -> LocalCommunicator:
         return self

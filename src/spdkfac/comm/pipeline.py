@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -61,6 +61,7 @@ class FactorPipeline:
         warmup_steps: int = 5,
         dtype: torch.dtype = torch.float32,
         comm_dtype: torch.dtype | None = None,
+        owners: Mapping[str, int] | None = None,
         profiler: Profiler | None = None,
     ) -> None:
         self._communicator = communicator
@@ -85,6 +86,7 @@ class FactorPipeline:
             policy.plan(self._inputs),
             dtype=dtype,
             comm_dtype=comm_dtype,
+            owners=owners,
         )
         self._factor_steps = 0
         self._replan_requested = False
@@ -129,10 +131,12 @@ class FactorPipeline:
                     f"rank {self._communicator.rank} of {self._communicator.world_size}: "
                     f"{error}"
                 ) from error
-            # Unpacking is host work inside the wait (the breakdown counts it as
-            # FactorComm either way); its own span lets a profile tell it from waiting.
+            # Scaling the packed sums and checking them is host work inside the wait (the
+            # breakdown counts it as FactorComm either way); its own span lets a profile
+            # tell it from waiting. The span keeps the name it had when this unpacked every
+            # factor: the simulator's profiled costs read it under that name.
             with self._profiler.span(span_name(Phase.FACTOR_COMM, "unpack")):
-                result = pending.unpack()
+                result = pending.result()
         self._factor_steps += 1
         if self._current:
             self._history = [*self._history[-(_KEPT_STEPS - 1) :], self._current]
@@ -196,9 +200,13 @@ class FactorPipeline:
 class LocalFactorExchange:
     """The exchange of a group of one: each handed-over mean is already the global factor.
 
-    Same interface as :class:`FactorPipeline`; no packing, no copy, no collective. Nothing
-    is gained by handing factors over early, so callers hand them over at the step, when
-    every pass of the step has been averaged in.
+    Same interface as :class:`FactorPipeline`; no copy, no collective, and no packing:
+    factors are handed back as the full matrices they were captured as, so the running
+    averages of a group of one stay full. Packing them would cost more than it saves: a
+    pack of every new factor at every factor step (more than the half of the average it
+    saves) and an unpack at every inversion (``benchmarks/reports/cheaper_step.md``).
+    Nothing is gained by handing factors over early, so callers hand them over at the
+    step, when every pass of the step has been averaged in.
     """
 
     pipelined = False
@@ -223,7 +231,8 @@ class LocalFactorExchange:
         return key in self._factors
 
     def finish(self, *, local_ok: bool) -> ExchangeResult:
-        """The handed-over factors (the caller checked they are finite in ``local_ok``)."""
+        """The handed-over factors, full (the caller checked they are finite in
+        ``local_ok``)."""
         factors, self._factors = self._factors, {}
         return ExchangeResult(factors=factors, flagged_ranks=0 if local_ok else 1, finite=True)
 

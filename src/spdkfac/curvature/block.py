@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from spdkfac.linalg import packed_dim, unpack_triu
 from spdkfac.placement import FactorSpec
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "LocalInverses",
     "ModuleBlock",
     "Slot",
+    "full_factor",
 ]
 
 #: One call's statistic for one slot and the number of examples it averages.
@@ -104,7 +106,9 @@ class CurvatureBlock(Protocol):
         ...
 
     def placed_factors(self) -> dict[str, Tensor]:
-        """The running factors of :meth:`inverse_specs` that exist, by key."""
+        """The running factors of :meth:`inverse_specs` that exist, by key, as they are
+        kept: packed upper triangles (from a group's exchange) or full matrices; the
+        inverse phase unpacks only those it inverts."""
         ...
 
     def previous_inverses(self) -> dict[str, Tensor | None]:
@@ -128,7 +132,8 @@ class CurvatureBlock(Protocol):
         ...
 
     def factors(self) -> tuple[Tensor | None, ...]:
-        """The running statistics (None before the first update), for introspection."""
+        """The running statistics in full (None before the first update), for
+        introspection: packed ones are unpacked into new tensors."""
         ...
 
     def inverses(self) -> tuple[Tensor | None, ...]:
@@ -136,7 +141,11 @@ class CurvatureBlock(Protocol):
         ...
 
     def state(self) -> dict[str, Tensor | None]:
-        """The tensors to save (not copied)."""
+        """The tensors to save, in full (packed factors unpacked; others not copied)."""
+        ...
+
+    def stored(self) -> dict[str, Tensor | None]:
+        """The same entries as they are held now (packed factors packed): what is live."""
         ...
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -185,20 +194,39 @@ class LocalInverses:
 
 
 class FactorPairState:
-    """State of a block holding an A and a G factor and their inverses."""
+    """State of a block holding an A and a G factor and their inverses.
+
+    A symmetric factor (:attr:`symmetric_factors`) is kept in the form its statistics
+    arrive in from the exchange: a packed upper triangle (``[d(d+1)/2]``) in a group, the
+    full ``[d, d]`` matrix in a group of one. :meth:`factors` and :meth:`state` give full
+    matrices either way (so a state dict is the same whatever the world size), and
+    :meth:`restore` keeps them full until the next update converts them once.
+    """
 
     a_factor: Tensor | None
     g_factor: Tensor | None
     a_inverse: Tensor | None
     g_inverse: Tensor | None
+    #: Whether A and G are symmetric matrices that may be kept packed.
+    symmetric_factors: tuple[bool, bool] = (False, False)
 
     def factors(self) -> tuple[Tensor | None, Tensor | None]:
-        return self.a_factor, self.g_factor
+        a_symmetric, g_symmetric = self.symmetric_factors
+        return full_factor(self.a_factor, a_symmetric), full_factor(self.g_factor, g_symmetric)
 
     def inverses(self) -> tuple[Tensor | None, Tensor | None]:
         return self.a_inverse, self.g_inverse
 
     def state(self) -> dict[str, Tensor | None]:
+        a_factor, g_factor = self.factors()
+        return {
+            "a_factor": a_factor,
+            "g_factor": g_factor,
+            "a_inverse": self.a_inverse,
+            "g_inverse": self.g_inverse,
+        }
+
+    def stored(self) -> dict[str, Tensor | None]:
         return {
             "a_factor": self.a_factor,
             "g_factor": self.g_factor,
@@ -209,3 +237,11 @@ class FactorPairState:
     def restore(self, entry: Mapping[str, Tensor | None]) -> None:
         self.a_factor, self.g_factor = entry["a_factor"], entry["g_factor"]
         self.a_inverse, self.g_inverse = entry["a_inverse"], entry["g_inverse"]
+
+
+def full_factor(factor: Tensor | None, symmetric: bool = True) -> Tensor | None:
+    """A running factor as a full matrix: a packed symmetric one unpacked (a new tensor),
+    anything else as it is."""
+    if factor is None or not symmetric or factor.dim() != 1:
+        return factor
+    return unpack_triu(factor, packed_dim(factor.numel()))

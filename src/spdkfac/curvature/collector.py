@@ -11,7 +11,7 @@ exchange that completes at once, so there is one code path whatever the world si
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +49,8 @@ class FactorCollector:
         bucket_cap_bytes: Bucket cap of threshold-style fusion.
         fusion_warmup_steps: Factor steps measured before a measured fusion plans.
         comm_dtype: Dtype symmetric slots travel in (None: their own).
+        owners: Owner rank per symmetric slot key: its global factor is reduce-scattered
+            to the owner only (None: all-reduced to every rank).
         grad_scale: Returns the loss scale of a ``GradScaler`` (None without one).
         profiler: Where spans are recorded.
     """
@@ -65,6 +67,7 @@ class FactorCollector:
         bucket_cap_bytes: int,
         fusion_warmup_steps: int,
         comm_dtype: torch.dtype | None = None,
+        owners: Mapping[str, int] | None = None,
         grad_scale: Callable[[], float] | None = None,
         profiler: Profiler,
     ) -> None:
@@ -97,6 +100,7 @@ class FactorCollector:
             bucket_cap_bytes=bucket_cap_bytes,
             warmup_steps=fusion_warmup_steps,
             comm_dtype=comm_dtype,
+            owners=owners,
         )
         self._capture = ActivationCapture(
             {block.name: block.module for block in blocks},
@@ -114,6 +118,7 @@ class FactorCollector:
         bucket_cap_bytes: int,
         warmup_steps: int,
         comm_dtype: torch.dtype | None,
+        owners: Mapping[str, int] | None,
     ) -> FactorPipeline | LocalFactorExchange:
         if self._communicator.world_size == 1:
             return LocalFactorExchange()
@@ -130,6 +135,7 @@ class FactorCollector:
             warmup_steps=warmup_steps,
             dtype=self._dtype,
             comm_dtype=comm_dtype,
+            owners=owners,
             profiler=self._profiler,
         )
 

@@ -28,7 +28,7 @@ from spdkfac.curvature.block import (
 )
 from spdkfac.curvature.state import running_average
 from spdkfac.layers import KFACLayer
-from spdkfac.linalg import InverseMethod, InversionError, damped_inverse
+from spdkfac.linalg import InverseMethod, InversionError, damped_inverses
 
 __all__ = ["GroupedConvBlock"]
 
@@ -113,13 +113,9 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
         """Every group's damped inverses, on every rank; a failed group keeps the last."""
         if self.a_factor is None or self.g_factor is None:
             return
-        try:
-            a_inverse = torch.stack(
-                [damped_inverse(f, damping, self.inverse_method) for f in self.a_factor]
-            )
-            g_inverse = torch.stack(
-                [damped_inverse(f, damping, self.inverse_method) for f in self.g_factor]
-            )
+        try:  # one batched call per factor kind: a depthwise layer has many groups
+            a_inverse = torch.stack(damped_inverses(self.a_factor, damping, self.inverse_method))
+            g_inverse = torch.stack(damped_inverses(self.g_factor, damping, self.inverse_method))
         except (InversionError, ValueError):
             return
         self.a_inverse, self.g_inverse = a_inverse, g_inverse

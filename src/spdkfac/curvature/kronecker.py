@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -13,11 +13,15 @@ from spdkfac.curvature.block import (
     ModuleBlock,
     Slot,
 )
-from spdkfac.curvature.state import running_average
+from spdkfac.curvature.state import running_average, symmetric_running_average
 from spdkfac.layers import KFACLayer, precondition
 from spdkfac.placement import FactorSpec
 
 __all__ = ["DiagonalKroneckerBlock", "KroneckerBlock"]
+
+
+def _average(symmetric: bool) -> Callable[[Tensor | None, Tensor, float], Tensor]:
+    return symmetric_running_average if symmetric else running_average
 
 
 class KroneckerBlock(FactorPairState, ModuleBlock):
@@ -26,7 +30,9 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
     The factor math is the adapter's (pure functions of :mod:`spdkfac.layers`); the block
     keeps the running averages and the damped inverses, and preconditions with
     ``V = Ĝ ∇ Â``. Both factors travel as packed triangles: A from the forward pre-hook,
-    G from the output-gradient hook. Their inverses are placed by the strategy.
+    G from the output-gradient hook; in a group their running averages stay packed (see
+    :class:`~spdkfac.curvature.block.FactorPairState`). Their inverses are placed by the
+    strategy.
 
     Args:
         name: The module's name.
@@ -35,6 +41,7 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
     """
 
     section = "layers"
+    symmetric_factors = (True, True)
 
     def __init__(self, name: str, module: nn.Module, adapter: KFACLayer) -> None:
         self.name = name
@@ -87,8 +94,9 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
         # A layer seen in forward but not in backward (or vice versa) keeps both factors
         # as they were, so A and G always describe the same examples.
         if a_new is not None and g_new is not None:
-            self.a_factor = running_average(self.a_factor, a_new, decay)
-            self.g_factor = running_average(self.g_factor, g_new, decay)
+            a_symmetric, g_symmetric = self.symmetric_factors
+            self.a_factor = _average(a_symmetric)(self.a_factor, a_new, decay)
+            self.g_factor = _average(g_symmetric)(self.g_factor, g_new, decay)
 
     # ------------------------------------------------------------------ inverses
     def inverse_specs(self) -> tuple[FactorSpec, ...]:
@@ -138,6 +146,8 @@ class DiagonalKroneckerBlock(KroneckerBlock):
     inverts it in closed form, ``1/(a + γ)`` (no placement, no broadcast); G is placed by
     the strategy like any Kronecker factor. Preconditioning is ``Ĝ ∇ diag(â)``.
     """
+
+    symmetric_factors = (False, True)
 
     def slots(self) -> tuple[Slot, ...]:
         a, g = self.a_dim, self.g_dim

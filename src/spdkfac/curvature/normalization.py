@@ -135,6 +135,9 @@ class NormalizationBlock(LocalInverses, ModuleBlock):
     def state(self) -> dict[str, Tensor | None]:
         return {"fisher": self.fisher, "inverse": self.inverse}
 
+    def stored(self) -> dict[str, Tensor | None]:
+        return self.state()
+
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"fisher": (self.channels, 3), "inverse": (self.channels, 3)}
 

@@ -9,6 +9,7 @@ from typing import Any
 from torch import Tensor
 
 from spdkfac.curvature.block import CurvatureBlock
+from spdkfac.linalg import pack_triu, unpack_triu
 
 __all__ = [
     "FactorAccumulator",
@@ -16,6 +17,7 @@ __all__ = [
     "blocks_state_dict",
     "load_blocks_state",
     "running_average",
+    "symmetric_running_average",
 ]
 
 
@@ -62,6 +64,19 @@ def running_average(current: Tensor | None, new: Tensor, decay: float) -> Tensor
     return current.mul_(decay).add_(new, alpha=1.0 - decay)
 
 
+def symmetric_running_average(current: Tensor | None, new: Tensor, decay: float) -> Tensor:
+    """:func:`running_average` of a symmetric factor, kept in the form ``new`` arrives in.
+
+    The average is elementwise, so on packed upper triangles it is exactly the average of
+    the full matrices, at half the cost. ``new`` is packed (``[d(d+1)/2]``, from a group's
+    exchange) or full (``[d, d]``, from a group of one); a ``current`` of the other form
+    (restored from a state dict, which holds full matrices) is converted once.
+    """
+    if current is not None and current.dim() != new.dim():
+        current = pack_triu(current) if new.dim() == 1 else unpack_triu(current, new.shape[-1])
+    return running_average(current, new, decay)
+
+
 #: Sections of a preconditioner's state dict by block family, with the prefix their
 #: error messages use (the format predates the blocks and is kept for old checkpoints).
 _SECTIONS = {"layers": "", "batchnorm": "BatchNorm "}
@@ -72,18 +87,23 @@ def _is_inverse(key: str) -> bool:
 
 
 def blocks_state_dict(
-    blocks: Sequence[CurvatureBlock], mode: str | None, *, inverses: bool = True
+    blocks: Sequence[CurvatureBlock],
+    mode: str | None,
+    *,
+    inverses: bool = True,
+    states: Mapping[str, Mapping[str, Tensor | None]] | None = None,
 ) -> dict[str, Any]:
     """Copies of every block's tensors: ``{"layers": …}`` and, when normalization blocks
     exist, ``{"batchnorm": {"mode": mode, "layers": …}}``; inverses as None unless
-    ``inverses``."""
+    ``inverses``. ``states`` replaces the blocks' own (e.g. gathered from their owners)."""
     sections: dict[str, dict[str, dict[str, Tensor | None]]] = {"layers": {}}
     for block in blocks:
+        state = block.state() if states is None else states[block.name]
         sections.setdefault(block.section, {})[block.name] = {
             key: None
             if value is None or (_is_inverse(key) and not inverses)
             else value.detach().clone()
-            for key, value in block.state().items()
+            for key, value in state.items()
         }
     result: dict[str, Any] = {"layers": sections.pop("layers")}
     if "batchnorm" in sections:
@@ -163,10 +183,11 @@ def load_blocks_state(
 
 
 def blocks_memory(blocks: Sequence[CurvatureBlock]) -> dict[str, int]:
-    """Bytes of the factors and of the inverses the blocks hold."""
+    """Bytes of the factors and of the inverses the blocks hold, as held (packed factors
+    count their triangle)."""
     totals = {"factors": 0, "inverses": 0}
     for block in blocks:
-        for key, value in block.state().items():
+        for key, value in block.stored().items():
             if value is not None:
                 kind = "inverses" if _is_inverse(key) else "factors"
                 totals[kind] += value.numel() * value.element_size()

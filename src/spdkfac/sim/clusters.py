@@ -16,9 +16,9 @@ Every figure below is either a public specification (labelled *spec*) or an assu
 * Efficiency (*assumed*): collectives reach 90 % of an InfiniBand link's rate, 80 % of
   NVLink's and of TCP over Ethernet. NCCL's own benchmark (nccl-tests, whose
   ``doc/PERFORMANCE.md`` defines the *bus bandwidth* these compare with: all-reduce moves
-  2(P−1)/P bytes per byte per rank, reduce-scatter and all-gather (P−1)/P, broadcast 1,
-  exactly the β terms of :mod:`spdkfac.sim.network`) reports bus bandwidths close to the
-  link rate on InfiniBand; we did not run it.
+  2(P−1)/P bytes per byte per rank, reduce-scatter and all-gather (P−1)/P, broadcast and
+  reduce 1, exactly the β terms of :mod:`spdkfac.sim.network`) reports bus bandwidths
+  close to the link rate on InfiniBand; we did not run it.
 * Latency per algorithm step (*assumed*): 2 µs on NVLink, 5 µs on PCIe, 6 µs on
   InfiniBand, 30 µs for TCP over 10 Gbit/s Ethernet. For comparison, reading the SPD-KFAC
   paper's fitted all-reduce start-up (929 µs at 64 GPUs) as a ring's 2·63 steps gives
@@ -62,17 +62,18 @@ _TWO_LEVEL_RING = Hierarchical(Shape.RING)
 
 #: NCCL-like candidates: all-reduce on a flat ring, a hierarchical ring or NCCL's tree
 #: across nodes (a double binary tree between nodes, rings inside); the rest on rings
-#: (NCCL pipelines broadcasts, reduce-scatters and all-gathers along rings only), flat or
-#: node by node. The cheapest wins per message size.
+#: (NCCL pipelines broadcasts, reduces, reduce-scatters and all-gathers along rings only),
+#: flat or node by node. The cheapest wins per message size.
 NCCL_LIKE: Final[Mapping[CollectiveOp, tuple[Algorithm, ...]]] = MappingProxyType(
     {
         CollectiveOp.ALL_REDUCE: (_RING, _TWO_LEVEL_RING, _TREE),
         CollectiveOp.BROADCAST: (_RING, _TWO_LEVEL_RING),
+        CollectiveOp.REDUCE: (_RING, _TWO_LEVEL_RING),
         CollectiveOp.REDUCE_SCATTER: (_RING, _TWO_LEVEL_RING),
         CollectiveOp.ALL_GATHER: (_RING, _TWO_LEVEL_RING),
     }
 )
-#: One flat ring for every collective (a chain for broadcasts).
+#: One flat ring for every collective (a chain for broadcasts and reduces).
 RING_ONLY: Final[Mapping[CollectiveOp, tuple[Algorithm, ...]]] = MappingProxyType(
     {op: (_RING,) for op in CollectiveOp}
 )

@@ -3,8 +3,8 @@
 A cluster is nodes of ``G`` accelerators joined inside a node by a fast link (NVLink, PCIe)
 and across nodes by a slower network (InfiniBand, Ethernet); each level has its own
 α (seconds per algorithm step) and β (seconds per byte). On ``p`` ranks of one level, for
-an ``n``-byte buffer (the whole buffer: the input of an all-reduce, reduce-scatter or
-broadcast, the output of an all-gather):
+an ``n``-byte buffer (the whole buffer: the input of an all-reduce, reduce-scatter, reduce
+or broadcast, the output of an all-gather):
 
 =====================  ================================  ==========================
 algorithm              start-up                          transfer
@@ -15,7 +15,15 @@ ring reduce-scatter    (p−1)·α                           (p−1)/p · n·β
 ring all-gather        (p−1)·α                           (p−1)/p · n·β
 chain broadcast        (p−1)·α                           n·β
 tree broadcast         ⌈log₂p⌉·α                         n·β
+chain reduce           (p−1)·α                           n·β
+tree reduce            ⌈log₂p⌉·α                         n·β
 =====================  ================================  ==========================
+
+A reduce (every rank's buffer summed at one root) is a broadcast run backwards: the same
+messages along the same chain or tree, each node combining what arrives with its own
+buffer before it forwards it. Its reduction arithmetic is not costed separately (it is
+pipelined with the transfer, at memory speed, as the all-reduce's and the
+reduce-scatter's is in their lines).
 
 The ring forms are the bandwidth-optimal ring of Patarasuk and Yuan ("Bandwidth optimal
 all-reduce algorithms for clusters of workstations", JPDC 2009) and Thakur, Rabenseifner
@@ -36,7 +44,8 @@ Algorithms over the whole cluster (:class:`Flat`, :class:`Hierarchical`) compose
   across the ``N`` nodes (``G`` concurrent all-reduces of ``n/G`` bytes sharing the node's
   NICs: ``n`` bytes at the per-node rate), then all-gather inside the node (Horovod's
   hierarchical all-reduce, NCCL's tree across nodes). Reduce-scatter and all-gather run
-  their two phases likewise; a broadcast crosses the nodes, then the node. Phases are
+  their two phases likewise; a broadcast crosses the nodes, then the node (a reduce the
+  node, then the nodes). Phases are
   summed, not pipelined into each other (pessimistic for large messages, where the flat
   ring then wins).
 
@@ -51,12 +60,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Protocol
+from typing import Final, Protocol
 
 from spdkfac.checks import check_int, check_number
 from spdkfac.costmodel import AlphaBetaModel
 
 __all__ = [
+    "MIRRORS",
     "Algorithm",
     "CollectiveOp",
     "Flat",
@@ -77,6 +87,13 @@ class CollectiveOp(str, Enum):
     BROADCAST = "broadcast"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
+    REDUCE = "reduce"
+
+
+#: A collective costed as another: the same messages in the other direction.
+MIRRORS: Final[Mapping[CollectiveOp, CollectiveOp]] = MappingProxyType(
+    {CollectiveOp.REDUCE: CollectiveOp.BROADCAST}
+)
 
 
 class Shape(str, Enum):
@@ -132,6 +149,8 @@ _STEPS: Mapping[tuple[CollectiveOp, Shape], Callable[[int], tuple[float, float]]
     (CollectiveOp.ALL_GATHER, Shape.RING): lambda p: (p - 1, (p - 1) / p),
     (CollectiveOp.BROADCAST, Shape.RING): lambda p: (p - 1, 1.0),
     (CollectiveOp.BROADCAST, Shape.TREE): lambda p: (_depth(p), 1.0),
+    (CollectiveOp.REDUCE, Shape.RING): lambda p: (p - 1, 1.0),
+    (CollectiveOp.REDUCE, Shape.TREE): lambda p: (_depth(p), 1.0),
 }
 
 
@@ -239,6 +258,10 @@ _PHASES: Mapping[CollectiveOp, tuple[_Phase, ...]] = MappingProxyType(
         CollectiveOp.BROADCAST: (
             _Phase(CollectiveOp.BROADCAST, True),
             _Phase(CollectiveOp.BROADCAST, False),
+        ),
+        CollectiveOp.REDUCE: (  # the broadcast's phases, backwards
+            _Phase(CollectiveOp.REDUCE, False),
+            _Phase(CollectiveOp.REDUCE, True),
         ),
     }
 )

@@ -22,6 +22,7 @@ When the hardware carries pieces measured inside a profiled run of this workload
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Final
 
@@ -99,8 +100,29 @@ class WorkloadCosts:
             seconds += self.primitive("scale", packed) + self.primitive("copy", packed)
         return seconds
 
-    def _dims(self) -> list[int]:
-        return [d for layer in self.workload.layers for d in (layer.a_dim, layer.g_dim)]
+    def _dims(self, layers: Collection[str] | None = None) -> list[int]:
+        return [
+            d
+            for layer in self.workload.layers
+            if layers is None or layer.name in layers
+            for d in (layer.a_dim, layer.g_dim)
+        ]
+
+    def _piece(
+        self,
+        name: str,
+        model: Callable[[Collection[str] | None], float],
+        layers: Collection[str] | None,
+    ) -> float:
+        """Piece ``name`` for ``layers`` (None: every layer): ``model(layers)``, or when a
+        profiled run measured the piece, its time scaled by their share of the model."""
+        profiled = self.profiled(name)
+        if profiled is None:
+            return model(layers)
+        if layers is None:
+            return profiled
+        whole = model(None)
+        return profiled * model(layers) / whole if whole > 0 else 0.0
 
     def step_prologue(self, factor_step: bool) -> float:
         """Before the factor wait: gradient checks, and on factor steps the factors'
@@ -116,24 +138,26 @@ class WorkloadCosts:
                 seconds += self.primitive("scale", dim * dim)
         return seconds
 
-    def unpack_factors(self) -> float:
-        """Rebuilding every reduced factor inside the exchange's ``wait()``."""
-        profiled = self.profiled(piece_name(Phase.FACTOR_COMM, "unpack"))
-        if profiled is not None:
-            return profiled
+    def unpack_factors(self, layers: Collection[str] | None = None) -> float:
+        """Rebuilding every reduced factor (of ``layers`` only, when given: an owner's)
+        inside the exchange's ``wait()``."""
+        return self._piece(piece_name(Phase.FACTOR_COMM, "unpack"), self._unpack, layers)
+
+    def _unpack(self, layers: Collection[str] | None) -> float:
         return sum(
             self.primitive("scale", packed_size(d))
             + self.primitive("unpack", d * d)
             + self.primitive("finite_sum", d * d)
-            for d in self._dims()
+            for d in self._dims(layers)
         )
 
-    def running_average(self) -> float:
-        """``F ← ξF + (1−ξ)F_new`` for every factor."""
-        profiled = self.profiled(piece_name(Phase.FACTOR_COMPUTE, "running_average"))
-        if profiled is not None:
-            return profiled
-        return sum(self.primitive("average", d * d) for d in self._dims())
+    def running_average(self, layers: Collection[str] | None = None) -> float:
+        """``F ← ξF + (1−ξ)F_new`` for every factor (of ``layers`` only, when given)."""
+        name = piece_name(Phase.FACTOR_COMPUTE, "running_average")
+        return self._piece(name, self._average, layers)
+
+    def _average(self, layers: Collection[str] | None) -> float:
+        return sum(self.primitive("average", d * d) for d in self._dims(layers))
 
     def inverse(self, dim: int, key: str | None = None) -> float:
         """One damped inverse (of factor ``key``, when a profiled run timed it)."""
@@ -170,10 +194,34 @@ class WorkloadCosts:
         profiled = self.profiled(piece_name(Phase.PRECONDITION, "kl_clip"))
         if profiled is not None:
             return profiled
+        return self._kl_clip(None, ("dot", "scale", "copy"))
+
+    def _kl_clip(self, layers: Collection[str] | None, primitives: tuple[str, ...]) -> float:
         return sum(
-            self.primitive("dot", n) + self.primitive("scale", n) + self.primitive("copy", n)
-            for n in (layer.g_dim * layer.a_dim for layer in self.workload.layers)
+            sum(self.primitive(name, n) for name in primitives)
+            for n in (
+                layer.g_dim * layer.a_dim
+                for layer in self.workload.layers
+                if layers is None or layer.name in layers
+            )
         )
+
+    def _kl_part(self, layers: Collection[str] | None, primitives: tuple[str, ...]) -> float:
+        """Part of the KL clip's work; a profiled ``kl_clip`` scaled by its modelled share."""
+        part = self._kl_clip(layers, primitives)
+        profiled = self.profiled(piece_name(Phase.PRECONDITION, "kl_clip"))
+        if profiled is None:
+            return part
+        whole = self._kl_clip(None, ("dot", "scale", "copy"))
+        return profiled * part / whole if whole > 0 else 0.0
+
+    def kl_terms(self, layers: Collection[str]) -> float:
+        """An owner's share of the KL clip: ``⟨V, ∇⟩`` over its ``layers``."""
+        return self._kl_part(layers, ("dot",))
+
+    def write_gradients(self) -> float:
+        """Scaling every gathered preconditioned gradient by ν into ``.grad``."""
+        return self._kl_part(None, ("scale", "copy"))
 
     def optimizer(self) -> float:
         """Momentum SGD over every parameter tensor, ``zero_grad`` and the per-iteration

@@ -87,7 +87,8 @@ class CommunicationModel:
     """Broadcast and all-reduce α-β models per world size (a :class:`Network`).
 
     A reduce-scatter and an all-gather each cost half the all-reduce's α and β (a ring
-    all-reduce is a reduce-scatter followed by an all-gather).
+    all-reduce is a reduce-scatter followed by an all-gather); a reduce costs what the
+    broadcast does (the same messages, backwards).
 
     Attributes:
         measured: World size → (broadcast, all-reduce), as calibrated.
@@ -148,6 +149,7 @@ _FROM_PAIR: Mapping[CollectiveOp, Callable[[AlphaBetaModel, AlphaBetaModel], Alp
     MappingProxyType(
         {
             CollectiveOp.BROADCAST: lambda broadcast, _: broadcast,
+            CollectiveOp.REDUCE: lambda broadcast, _: broadcast,  # a broadcast backwards
             CollectiveOp.ALL_REDUCE: lambda _, allreduce: allreduce,
             CollectiveOp.REDUCE_SCATTER: lambda _, allreduce: _half(allreduce),
             CollectiveOp.ALL_GATHER: lambda _, allreduce: _half(allreduce),

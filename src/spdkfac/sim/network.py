@@ -16,7 +16,7 @@ from typing import Protocol
 
 from spdkfac.checks import check_int
 from spdkfac.costmodel import AlphaBetaModel
-from spdkfac.sim.collectives import Algorithm, CollectiveOp, Topology
+from spdkfac.sim.collectives import MIRRORS, Algorithm, CollectiveOp, Topology
 
 __all__ = ["Anchor", "CollectiveCost", "Network", "NetworkModel"]
 
@@ -82,7 +82,9 @@ class Anchor:
     Every algorithm's α at world size P is ``measured α · α_alg(P) / α_first(P₀)``, its β
     likewise, where ``first`` is the collective's first candidate and P₀ ``world_size``:
     at P₀ the first candidate gives the measured line exactly, elsewhere the model's shape.
-    Collectives without a measured line scale as ``fallback`` does (same links).
+    Collectives without a measured line scale as their mirror does when it was measured
+    (a reduce as the broadcast: :data:`~spdkfac.sim.collectives.MIRRORS`), else as
+    ``fallback`` does (same links).
 
     Attributes:
         world_size: Where the lines were measured (P₀ > 1).
@@ -138,7 +140,9 @@ class NetworkModel:
         """Collective → (measured line, the model's first candidate at the anchor)."""
         pairs: dict[CollectiveOp, tuple[AlphaBetaModel, AlphaBetaModel]] = {}
         for op in CollectiveOp:
-            measured_op = op if op in anchor.lines else anchor.fallback
+            measured_op = op if op in anchor.lines else MIRRORS.get(op, anchor.fallback)
+            if measured_op not in anchor.lines:
+                measured_op = anchor.fallback
             model = self.algorithms[measured_op][0].line(
                 measured_op, self.topology, anchor.world_size
             )

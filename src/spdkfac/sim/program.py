@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spdkfac.profiling import Event
+from spdkfac.sim.collectives import CollectiveOp
 
 __all__ = [
     "Close",
@@ -74,6 +75,8 @@ class Collective:
         overlap: This collective's own ``overlap`` (None: the engine's; see
             :func:`~spdkfac.sim.engine.simulate`).
         contention: This collective's own ``contention`` (None: the engine's).
+        op: The operation it stands for (None: unspecified; the engine does not read it).
+        nbytes: Bytes of its whole buffer (for byte counts; the engine reads ``work``).
     """
 
     label: str
@@ -83,6 +86,8 @@ class Collective:
     work: float
     overlap: float | None = None
     contention: float | None = None
+    op: CollectiveOp | None = None
+    nbytes: float = 0.0
 
 
 @dataclass

@@ -59,6 +59,7 @@ def _entry(run: SimulationRun, result: StrategyResult) -> dict[str, Any]:
         "plan": result.plan,
         "factor_buckets": result.factor_buckets,
         "grad_buckets": result.grad_buckets,
+        "factor_memory_bytes": result.factor_memory_bytes,
     }
 
 
@@ -67,7 +68,8 @@ def results_to_json(runs: Sequence[SimulationRun]) -> dict[str, Any]:
     and worker count simulated (in that order), each with its own ``model``,
     ``batch_size``, ``workers``, ``preset``, ``iteration_s`` (mean over the refresh
     cycle), ``breakdown`` (seconds per category), ``kinds`` (each distinct iteration of
-    the cycle), ``plan`` and bucket counts."""
+    the cycle), ``plan``, bucket counts and ``factor_memory_bytes`` (running factors and
+    inverses on the rank holding the most)."""
     document: dict[str, Any] = {}
     for run in runs:
         for name, result in run.results.items():
@@ -102,15 +104,20 @@ def markdown_report(runs: Sequence[SimulationRun], *, title: str, notes: Sequenc
     by_model: dict[str, list[SimulationRun]] = {}
     for run in runs:
         by_model.setdefault(run.model, []).append(run)
-    header = "| workers | strategy | iteration ms | vs d-kfac | " + " | ".join(BREAKDOWN_CATEGORIES)
-    rule = "|---" * (4 + len(BREAKDOWN_CATEGORIES)) + "|"
+    header = (
+        "| workers | strategy | iteration ms | vs d-kfac | "
+        + " | ".join(BREAKDOWN_CATEGORIES)
+        + " | factors+inverses MiB/rank"
+    )
+    rule = "|---" * (5 + len(BREAKDOWN_CATEGORIES)) + "|"
     for model, model_runs in by_model.items():
         first = model_runs[0]
         lines += [
             f"## {model}, batch {first.batch_size} per worker, preset `{first.preset}`",
             "",
             "Breakdown in ms per iteration, averaged over ranks; communication columns are "
-            "the time ranks wait (non-overlapped).",
+            "the time ranks wait (non-overlapped). Memory: running factors and inverses "
+            "(float32 squares) on the rank holding the most.",
             "",
             header + " |",
             rule,
@@ -122,8 +129,10 @@ def markdown_report(runs: Sequence[SimulationRun], *, title: str, notes: Sequenc
                 if reference is not None and result.iteration_s > 0:
                     ratio = f"{reference.iteration_s / result.iteration_s:.2f}x"
                 cells = " | ".join(_ms(result.breakdown[c]) for c in BREAKDOWN_CATEGORIES)
+                memory = f"{result.factor_memory_bytes / 2**20:.1f}"
                 lines.append(
-                    f"| {run.workers} | {name} | {_ms(result.iteration_s)} | {ratio} | {cells} |"
+                    f"| {run.workers} | {name} | {_ms(result.iteration_s)} | {ratio} | {cells} "
+                    f"| {memory} |"
                 )
         lines.append("")
         lines.append("Plans:")
@@ -134,7 +143,7 @@ def markdown_report(runs: Sequence[SimulationRun], *, title: str, notes: Sequenc
                     buckets = (
                         ""
                         if result.factor_buckets is None
-                        else f"; {result.factor_buckets} factor all-reduce(s)"
+                        else f"; {result.factor_buckets} factor bucket(s)"
                     )
                     lines.append(f"- {run.workers} workers, {name}: {result.plan}{buckets}")
         lines.append("")

@@ -12,7 +12,13 @@ from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, breakdown
 from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.engine import simulate
 from spdkfac.sim.hardware import Hardware
-from spdkfac.sim.strategies import STRATEGY_TABLE, Strategy, StrategySetup, prepare
+from spdkfac.sim.strategies import (
+    STRATEGY_TABLE,
+    Strategy,
+    StrategySetup,
+    factor_memory_bytes,
+    prepare,
+)
 from spdkfac.sim.timeline import JITTER_PHASES, build_iteration, rank_speeds
 from spdkfac.sim.workload import Workload
 
@@ -79,7 +85,10 @@ class StrategyResult:
             each class of identical ranks.
         plan: The inverse placement's summary ("" for SGD).
         factor_buckets: Factor all-reduces per factor step (None: SGD or one rank).
-        grad_buckets: Gradient all-reduces per iteration.
+        grad_buckets: DDP's gradient buckets per iteration (all-reduced; reduce-scattered
+            to owners by an owner-computes strategy).
+        factor_memory_bytes: Running factors and inverses on the rank holding the most
+            (full float32 squares, as the real blocks store them; 0 for SGD).
     """
 
     strategy: str
@@ -91,6 +100,7 @@ class StrategyResult:
     plan: str
     factor_buckets: int | None
     grad_buckets: int
+    factor_memory_bytes: int = 0
 
 
 def _cycle(factor_update_steps: int, inv_update_steps: int) -> dict[tuple[bool, bool], int]:
@@ -199,7 +209,8 @@ def rank_classes(
 ) -> tuple[tuple[int, ...], ...]:
     """The ranks of ``setup``'s world in classes of identical programs (by first rank).
 
-    A rank's program depends only on the inverse broadcasts it owns (on inverse steps), its
+    A rank's program depends only on the inverse broadcasts it owns (on inverse steps) or,
+    where owners compute (Osawa et al.), on the layers it owns (on every step), its
     compute speed (``Hardware.rank_spread``) and this iteration's draws (``jitter``, the
     contention ``sensitivity``). Every collective spans every rank, and the engine's rates
     depend on its participants only through whether any computes and how many collectives
@@ -213,10 +224,14 @@ def rank_classes(
     if inverse_step and setup.strategy.uses_kfac:
         for index, group in enumerate(setup.groups):
             owned.setdefault(group.owner, []).append(index)
+    layers: dict[int, list[str]] = {}
+    for layer, owner in setup.layer_owners.items():
+        layers.setdefault(owner, []).append(layer)
     classes: dict[tuple[object, ...], list[int]] = {}
     for rank in range(world):
         key = (
             tuple(owned.get(rank, ())),
+            tuple(layers.get(rank, ())),
             speeds[rank],
             () if jitter is None else tuple(sorted(jitter[rank].items())),
             1.0 if sensitivity is None else sensitivity[rank],
@@ -242,6 +257,8 @@ def _timeline(
 def _summary(setup: StrategySetup) -> str:
     plan = setup.plan
     assert plan is not None
+    if setup.owner_computes:
+        return _owners_summary(setup, plan)
     communicated = sum(owner >= 0 for owner in plan.owners)
     loads = plan.loads()
     text = (
@@ -250,6 +267,18 @@ def _summary(setup: StrategySetup) -> str:
         f"NCT {1000 * plan.replicated_seconds():.2f} ms"
     )
     return text
+
+
+def _owners_summary(setup: StrategySetup, plan: Plan) -> str:
+    counts: dict[int, int] = {}
+    for owner in setup.layer_owners.values():
+        counts[owner] = counts.get(owner, 0) + 1
+    return (
+        f"{plan.placement}: {len(setup.layer_owners)} layers on {len(counts)} owner(s) (at "
+        f"most {max(counts.values())} per rank), max inverse load "
+        f"{1000 * max(plan.loads()):.2f} ms, no inverse broadcast, gather in "
+        f"{len(counts)} broadcast(s)"
+    )
 
 
 def simulate_strategy(
@@ -307,6 +336,7 @@ def simulate_strategy(
         plan="" if setup.plan is None else _summary(setup),
         factor_buckets=None if setup.fusion is None else len(setup.fusion.buckets),
         grad_buckets=len(setup.grad_buckets),
+        factor_memory_bytes=factor_memory_bytes(setup),
     )
 
 

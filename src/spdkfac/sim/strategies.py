@@ -9,16 +9,23 @@ real ``KFACPreconditioner`` would: the inverse :class:`~spdkfac.placement.Plan` 
 :mod:`spdkfac.comm.fusion`; the ``optimal`` policy plans from the hand-over times the
 compute-only timeline gives, as the real one plans from rank 0's measurements. DDP's
 gradient buckets follow the order gradients become final, with its 1 MiB first bucket.
+
+A row with ``owner_computes`` (Osawa et al. 2019) is planned the same way with its own
+placement policy (:func:`~spdkfac.placement.plan_layer_owners`: one owner per layer) and
+has no inverse broadcasts; :attr:`StrategySetup.layer_owners` says which rank owns each
+layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from spdkfac.comm.fusion import FusionInputs, FusionPlan, FusionPolicy
 from spdkfac.inversion import BroadcastGroup, broadcast_groups
 from spdkfac.linalg import packed_size
-from spdkfac.placement import FactorSpec, Plan, plan_inversions
+from spdkfac.placement import EVERY_RANK, FactorSpec, Plan, plan_inversions
 from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.workload import FactorHook, GradReady, Op
 from spdkfac.strategies import SGD, STRATEGIES, Strategy
@@ -28,6 +35,7 @@ __all__ = [
     "STRATEGY_TABLE",
     "Strategy",
     "StrategySetup",
+    "factor_memory_bytes",
     "parse_strategies",
     "prepare",
 ]
@@ -74,6 +82,8 @@ class StrategySetup:
         groups: Broadcasts of communicated inverses, in issue order.
         fusion: Factor buckets (None for SGD or one rank).
         grad_buckets: DDP's gradient buckets (parameter names), in launch order.
+        layer_owners: For an owner-computes strategy on more than one rank, layer name →
+            the rank that owns it (from ``plan``); empty otherwise.
     """
 
     strategy: Strategy
@@ -82,6 +92,27 @@ class StrategySetup:
     groups: tuple[BroadcastGroup, ...]
     fusion: FusionPlan | None
     grad_buckets: tuple[tuple[str, ...], ...]
+    layer_owners: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_owners", MappingProxyType(dict(self.layer_owners)))
+
+    @property
+    def owner_computes(self) -> bool:
+        """Owners invert and precondition their layers (Osawa et al.), on > 1 rank."""
+        return bool(self.layer_owners)
+
+    def owned_layers(self, rank: int) -> tuple[str, ...]:
+        """The layers ``rank`` owns, in forward order (every layer when nobody owns)."""
+        layers = self.costs.workload.layers
+        if not self.layer_owners:
+            return tuple(layer.name for layer in layers)
+        return tuple(layer.name for layer in layers if self.layer_owners[layer.name] == rank)
+
+    def parameter_owner(self, parameter: str) -> int | None:
+        """The owner of ``parameter``'s layer (``"<layer>.<name>"``); None when its
+        module has no owner (a norm layer) or nobody owns layers."""
+        return self.layer_owners.get(parameter.rpartition(".")[0])
 
 
 def _grad_buckets(costs: WorkloadCosts) -> tuple[tuple[str, ...], ...]:
@@ -192,8 +223,55 @@ def prepare(costs: WorkloadCosts, strategy: Strategy, plan: Plan | None = None) 
         raise ValueError("plan must cover every factor of the workload at this world size")
     groups: tuple[BroadcastGroup, ...] = ()
     fusion = None
+    owners: dict[str, int] = {}
     if world_size > 1:
-        minimum = cost_model.broadcast_group_elements() if strategy.fuse_broadcasts else 0
-        groups = tuple(broadcast_groups(plan, {spec.key: None for spec in specs}, minimum))
+        if strategy.owner_computes:
+            owners = _layer_owners(plan)
+        else:
+            minimum = cost_model.broadcast_group_elements() if strategy.fuse_broadcasts else 0
+            groups = tuple(broadcast_groups(plan, {spec.key: None for spec in specs}, minimum))
         fusion = _fusion(costs, strategy.fusion)
-    return StrategySetup(strategy, costs, plan, groups, fusion, grad_buckets)
+    return StrategySetup(strategy, costs, plan, groups, fusion, grad_buckets, owners)
+
+
+def _layer_owners(plan: Plan) -> dict[str, int]:
+    """Layer → owner rank of an owner-computes plan.
+
+    Raises:
+        ValueError: A factor inverted on every rank, or a layer's factors on two ranks.
+    """
+    owners: dict[str, int] = {}
+    for spec, owner in zip(plan.factors, plan.owners, strict=True):
+        if owner == EVERY_RANK or owners.setdefault(spec.layer, owner) != owner:
+            raise ValueError(
+                f"an owner-computes strategy needs every factor of a layer on one rank; "
+                f"plan {plan.placement!r} puts {spec.key} on {owner} "
+                f"(layer owner {owners.get(spec.layer)})"
+            )
+    return owners
+
+
+#: Bytes of one stored factor or inverse element (the real blocks keep float32 squares).
+_STORED_BYTES = 4
+
+
+def factor_memory_bytes(setup: StrategySetup) -> int:
+    """Bytes of running factors and inverses the most loaded rank holds.
+
+    As the real blocks store them (``KFACPreconditioner.memory_bytes()``): each A and G
+    and each inverse a full float32 square. D-KFAC, MPD-KFAC and SPD-KFAC hold every
+    factor and every inverse on every rank (broadcast inverses are unpacked); an
+    owner-computes strategy only its own layers'. SGD holds none.
+    """
+    if not setup.strategy.uses_kfac:
+        return 0
+    per_layer = {
+        layer.name: 2 * _STORED_BYTES * (layer.a_dim**2 + layer.g_dim**2)
+        for layer in setup.costs.workload.layers
+    }
+    if not setup.layer_owners:
+        return sum(per_layer.values())
+    loads: dict[int, int] = {}
+    for name, owner in setup.layer_owners.items():
+        loads[owner] = loads.get(owner, 0) + per_layer[name]
+    return max(loads.values(), default=0)

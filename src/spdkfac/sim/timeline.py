@@ -22,6 +22,12 @@ Per rank, in order (names are the profiler's ``kfac/<phase>/<layer>``):
 7. ``precondition/<layer>``, ``precondition/kl_clip``; ``step`` closes; the optimizer step;
    ``iteration`` closes.
 
+A strategy whose owners compute (Osawa et al. 2019; ``StrategySetup.owner_computes``)
+reduce-scatters its factor and gradient buckets instead (one reduce per owner's chunk,
+:mod:`spdkfac.sim.owners`), and replaces steps 5-7 after the factor wait by
+:func:`~spdkfac.sim.owners.owner_step`: each owner averages, inverts and preconditions its
+own layers, then the preconditioned gradients are gathered.
+
 With ``Hardware.rank_spread`` > 0 the ranks compute at different speeds (stragglers), so
 faster ranks wait at every collective. Pipelined buckets use a ``factor`` channel of their
 own (the real run gives them a second process group; ``Hardware.single_queue`` puts them
@@ -30,9 +36,10 @@ Transfers on different channels share each rank's link (see :mod:`spdkfac.sim.en
 
 Every collective is costed at the real world size by ``Hardware.collective(op, P)``: the
 cheapest algorithm for its message of the preset's network, for any
-:class:`~spdkfac.sim.collectives.CollectiveOp` (all-reduce, broadcast, reduce-scatter,
-all-gather), so a strategy that reduce-scatters factors or all-gathers results adds its
-phase here with ``_Builder.collective(label, channel, op, nbytes)``.
+:class:`~spdkfac.sim.collectives.CollectiveOp` (all-reduce, broadcast, reduce,
+reduce-scatter, all-gather), so a strategy that reduces factors to owners or gathers
+results adds its phase here with ``IterationBuilder.collective(label, channel, op,
+nbytes)``.
 """
 
 from __future__ import annotations
@@ -44,118 +51,66 @@ from dataclasses import replace
 from spdkfac.linalg import packed_size
 from spdkfac.placement import EVERY_RANK
 from spdkfac.profiling import Phase, phase_of, span_name
+from spdkfac.sim.builder import IterationBuilder, Launcher, factor_channel, issue
 from spdkfac.sim.collectives import CollectiveOp
-from spdkfac.sim.program import Close, Collective, Compute, Instruction, Issue, Open, Wait
+from spdkfac.sim.owners import (
+    OwnerCollectives,
+    factor_bucket_collectives,
+    grad_bucket_collectives,
+    owner_step,
+)
+from spdkfac.sim.program import Close, Collective, Compute, Instruction, Open, Wait
 from spdkfac.sim.strategies import StrategySetup
 from spdkfac.sim.workload import FactorHook, GradReady, Op
 
 __all__ = ["build_iteration"]
 
 
-class _Builder:
-    """Collects the collectives of one iteration; ``ranks`` are the ranks given programs."""
-
-    def __init__(self, setup: StrategySetup, ranks: Sequence[int]) -> None:
-        self.setup = setup
-        self.costs = setup.costs
-        self.world_size = setup.costs.world_size
-        self.participants = tuple(range(len(ranks)))  # engine ranks: positions in ``ranks``
-        hardware = setup.costs.hardware
-        self.prices = {op: hardware.collective(op, self.world_size) for op in CollectiveOp}
-        self.collectives: list[Collective] = []
-
-    def collective(self, label: str, channel: str, op: CollectiveOp, nbytes: float) -> int:
-        """Add ``op`` on every rank moving ``nbytes`` bytes (the whole buffer), costed by
-        the cheapest algorithm for that size; returns its index."""
-        _, line = self.prices[op].choose(nbytes)
-        hardware = self.costs.hardware
-        broadcast = op is CollectiveOp.BROADCAST
-        self.collectives.append(
-            Collective(
-                label,
-                channel,
-                self.participants,
-                line.alpha,
-                line.beta * nbytes,
-                overlap=hardware.broadcast_overlap if broadcast else None,
-                contention=hardware.broadcast_contention if broadcast else None,
-            )
-        )
-        return len(self.collectives) - 1
-
-
-def _factor_channel(builder: _Builder) -> str:
-    fusion = builder.setup.fusion
-    eager = fusion is not None and fusion.eager
-    return "factor" if eager and not builder.costs.hardware.single_queue else "default"
-
-
-def _issue(
-    builder: _Builder, collective: int, out: list[Instruction], name: str | None = None
-) -> None:
-    """Post ``collective``, paying the host's cost of posting it (attributed to ``name``)."""
-    out += [Compute(builder.costs.hardware.issue_overhead_seconds, name), Issue(collective)]
-
-
-class _Launcher:
-    """Issues buckets strictly in order as their members become ready."""
-
-    def __init__(
-        self, builder: _Builder, buckets: tuple[tuple[str, ...], ...], ids: list[int]
-    ) -> None:
-        self.builder = builder
-        self.buckets = buckets
-        self.ids = ids
-        self.missing = [set(bucket) for bucket in buckets]
-        self.next = 0
-
-    def ready(
-        self, key: str, out: list[Instruction], *, eager: bool = True, name: str | None = None
-    ) -> None:
-        for missing in self.missing[self.next :]:
-            missing.discard(key)
-        if eager:
-            self.flush(out, force=False, name=name)
-
-    def flush(self, out: list[Instruction], *, force: bool, name: str | None = None) -> None:
-        while self.next < len(self.buckets) and (force or not self.missing[self.next]):
-            _issue(self.builder, self.ids[self.next], out, name)
-            self.next += 1
-
-
-def _passes(builder: _Builder, factor_step: bool, out: list[Instruction]) -> _Launcher | None:
+def _passes(
+    builder: IterationBuilder, factor_step: bool, out: list[Instruction]
+) -> Launcher | None:
     """Forward and backward; returns the factor buckets' launcher (None: no exchange)."""
     setup, costs = builder.setup, builder.costs
     workload = costs.workload
     multi = builder.world_size > 1
     numel = dict(workload.parameters)
-    grad_ids = [
-        builder.collective(
-            f"grad bucket {index}",
-            "default",
-            CollectiveOp.ALL_REDUCE,
-            4.0 * sum(numel[name] for name in bucket),
-        )
-        for index, bucket in enumerate(setup.grad_buckets)
-    ]
-    grads = _Launcher(builder, setup.grad_buckets, grad_ids)
+    if setup.owner_computes:
+        grad_ids = grad_bucket_collectives(builder)
+    else:
+        grad_ids = [
+            (
+                builder.collective(
+                    f"grad bucket {index}",
+                    "default",
+                    CollectiveOp.ALL_REDUCE,
+                    4.0 * sum(numel[name] for name in bucket),
+                ),
+            )
+            for index, bucket in enumerate(setup.grad_buckets)
+        ]
+    grads = Launcher(builder, setup.grad_buckets, grad_ids)
     kfac = factor_step and setup.strategy.uses_kfac
-    factors: _Launcher | None = None
+    factors: Launcher | None = None
     fusion = setup.fusion
     if kfac and multi and fusion is not None:
-        channel = _factor_channel(builder)
+        channel = factor_channel(builder)
         dims = {f"{layer.name}/A": layer.a_dim for layer in workload.layers}
         dims |= {f"{layer.name}/G": layer.g_dim for layer in workload.layers}
-        factor_ids = [
-            builder.collective(
-                f"factor bucket {index}",
-                channel,
-                CollectiveOp.ALL_REDUCE,
-                4.0 * sum(packed_size(dims[key]) for key in bucket),
-            )
-            for index, bucket in enumerate(fusion.buckets)
-        ]
-        factors = _Launcher(builder, fusion.buckets, factor_ids)
+        if setup.owner_computes:  # owners receive only their layers' factors
+            factor_ids = factor_bucket_collectives(builder, channel)
+        else:
+            factor_ids = [
+                (
+                    builder.collective(
+                        f"factor bucket {index}",
+                        channel,
+                        CollectiveOp.ALL_REDUCE,
+                        4.0 * sum(packed_size(dims[key]) for key in bucket),
+                    ),
+                )
+                for index, bucket in enumerate(fusion.buckets)
+            ]
+        factors = Launcher(builder, fusion.buckets, factor_ids)
     pending = 0.0
     handed: set[str] = set()
     out.append(Open(span_name(Phase.FORWARD_BACKWARD)))
@@ -163,7 +118,7 @@ def _passes(builder: _Builder, factor_step: bool, out: list[Instruction]) -> _La
         buffers = builder.collective(
             "buffers", "default", CollectiveOp.BROADCAST, workload.buffer_bytes
         )
-        _issue(builder, buffers, out)
+        issue(builder, buffers, out)
         out.append(Wait((buffers,)))
     for item in (*workload.forward, *workload.backward):
         if isinstance(item, Op):
@@ -187,27 +142,36 @@ def _passes(builder: _Builder, factor_step: bool, out: list[Instruction]) -> _La
     out.append(Compute(pending))
     if multi:
         grads.flush(out, force=True)
-        out.append(Wait(tuple(grad_ids), span_name(Phase.GRAD_COMM, "wait")))
+        out.append(Wait(grads.all_ids, span_name(Phase.GRAD_COMM, "wait")))
     out.append(Close(span_name(Phase.FORWARD_BACKWARD)))
     return factors
 
 
-def _factor_phase(builder: _Builder, factors: _Launcher | None, out: list[Instruction]) -> None:
+def _factor_wait(builder: IterationBuilder, factors: Launcher, out: list[Instruction]) -> None:
+    """The rest of the factor buckets, the weights all-reduce and the wait for all."""
+    layers = builder.costs.workload.layers
+    channel = factor_channel(builder)
+    factors.flush(out, force=True)  # finish(): the rest, in plan order
+    weights = builder.collective(
+        "factor weights", channel, CollectiveOp.ALL_REDUCE, 8.0 * (2 * len(layers) + 1)
+    )
+    issue(builder, weights, out)
+    out.append(Wait((*factors.all_ids, weights), span_name(Phase.FACTOR_COMM, "wait")))
+
+
+def _factor_phase(
+    builder: IterationBuilder, factors: Launcher | None, out: list[Instruction]
+) -> None:
     costs = builder.costs
-    layers = costs.workload.layers
     if factors is not None:
-        channel = _factor_channel(builder)
-        factors.flush(out, force=True)  # finish(): the rest, in plan order
-        weights = builder.collective(
-            "factor weights", channel, CollectiveOp.ALL_REDUCE, 8.0 * (2 * len(layers) + 1)
-        )
-        _issue(builder, weights, out)
-        out.append(Wait((*factors.ids, weights), span_name(Phase.FACTOR_COMM, "wait")))
+        _factor_wait(builder, factors, out)
         out.append(Compute(costs.unpack_factors(), span_name(Phase.FACTOR_COMM, "unpack")))
     out.append(Compute(costs.running_average(), span_name(Phase.FACTOR_COMPUTE, "running_average")))
 
 
-def _inverse_phase(builder: _Builder, rank: int, out: list[Instruction], ids: list[int]) -> None:
+def _inverse_phase(
+    builder: IterationBuilder, rank: int, out: list[Instruction], ids: list[int]
+) -> None:
     setup, costs = builder.setup, builder.costs
     plan = setup.plan
     assert plan is not None
@@ -228,7 +192,7 @@ def _inverse_phase(builder: _Builder, rank: int, out: list[Instruction], ids: li
                 )
             pack = sum(costs.pack_inverse(dim) for dim in group.dims)
             out.append(Compute(pack, span_name(Phase.INVERSE_COMPUTE, "pack")))
-        _issue(builder, collective, out)
+        issue(builder, collective, out)
     for spec, owner in zip(plan.factors, plan.owners, strict=True):
         if owner == EVERY_RANK:
             out.append(
@@ -240,7 +204,7 @@ def _inverse_phase(builder: _Builder, rank: int, out: list[Instruction], ids: li
         out.append(Wait((collective,), span_name(Phase.INVERSE_COMM, "wait")))
         if group.owner != rank:
             out.append(Compute(sum(costs.unpack_inverse(dim) for dim in group.dims)))
-    _issue(builder, ids[-1], out)
+    issue(builder, ids[-1], out)
     out.append(Wait((ids[-1],), span_name(Phase.INVERSE_COMM, "failures")))
 
 
@@ -267,23 +231,27 @@ def build_iteration(
             exactly the timelines of the whole world.
     """
     ranks = range(setup.costs.world_size) if ranks is None else ranks
-    builder = _Builder(setup, ranks)
+    builder = IterationBuilder(setup, ranks)
     costs = builder.costs
     workload = costs.workload
     kfac = setup.strategy.uses_kfac
+    owners = setup.owner_computes
     prefix: list[Instruction] = [Open(span_name(Phase.ITERATION))]
     factors = _passes(builder, factor_step, prefix)
     prefix.append(Open(span_name(Phase.STEP)))
     if kfac:
         prefix.append(Compute(costs.step_prologue(factor_step)))
-        if factor_step:
+        if factor_step and owners:
+            assert factors is not None
+            _factor_wait(builder, factors, prefix)
+        elif factor_step:
             _factor_phase(builder, factors, prefix)
-        elif builder.world_size > 1:
+        elif builder.world_size > 1 and not owners:  # owners agree in the KL all-reduce
             flag = builder.collective("skip flag", "default", CollectiveOp.ALL_REDUCE, 4.0)
-            _issue(builder, flag, prefix)
+            issue(builder, flag, prefix)
             prefix.append(Wait((flag,), span_name(Phase.FLAG_COMM, "skip")))
     inverse_ids: list[int] = []
-    if kfac and inverse_step and builder.world_size > 1:
+    if kfac and inverse_step and builder.world_size > 1 and not owners:
         inverse_ids = [
             builder.collective(
                 f"broadcast {index} from {group.owner}",
@@ -299,7 +267,7 @@ def build_iteration(
             )
         )
     suffix: list[Instruction] = []
-    if kfac:
+    if kfac and not owners:
         for layer in workload.layers:
             suffix.append(
                 Compute(costs.precondition(layer), span_name(Phase.PRECONDITION, layer.name))
@@ -310,11 +278,16 @@ def build_iteration(
         Compute(costs.optimizer()),
         Close(span_name(Phase.ITERATION)),
     ]
+    shared = None
+    if owners:
+        shared = OwnerCollectives(builder, factor_step=factor_step, inverse_step=inverse_step)
     programs: list[list[Instruction]] = []
     speeds = rank_speeds(builder.world_size, costs.hardware.rank_spread)
     for rank in ranks:
         middle: list[Instruction] = []
-        if kfac and inverse_step:
+        if shared is not None:
+            middle = owner_step(builder, shared, rank)
+        elif kfac and inverse_step:
             _inverse_phase(builder, rank, middle, inverse_ids)
         program = prefix + middle + suffix
         by_phase = {} if jitter is None else jitter[rank]

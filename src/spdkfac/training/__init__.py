@@ -2,6 +2,7 @@
 
 Modules by role: :mod:`~spdkfac.training.config` (the run's options),
 :mod:`~spdkfac.training.setup` (image datasets, schedules, optimizers from the options),
+:mod:`~spdkfac.training.optimizers` (the base optimizers by name: SGD, AdamW, Muon, SOAP),
 :mod:`~spdkfac.training.tasks` (what image classification and language modelling do
 differently: data, model, batch, loss, scores),
 :mod:`~spdkfac.training.loop` (one training step, shared by train, demo and bench),

@@ -38,8 +38,12 @@ DATASET_KINDS: dict[str, ModelKind] = {
     "fashion-mnist": "image", "cifar10": "image", "imagefolder": "image", "text": "text",
 }  # fmt: skip
 DATASETS: tuple[str, ...] = tuple(DATASET_KINDS)
-#: ``--optimizer``: its base optimizer ("kfac" alone is SGD preconditioned by K-FAC).
-OPTIMIZERS: dict[str, str] = {"sgd": "sgd", "kfac": "sgd", "adamw": "adamw", "kfac-adamw": "adamw"}
+#: ``--optimizer``: its base optimizer ("kfac" alone is SGD preconditioned by K-FAC); the
+#: builders are :data:`spdkfac.training.optimizers.BASE_OPTIMIZERS`.
+OPTIMIZERS: dict[str, str] = {
+    "sgd": "sgd", "kfac": "sgd", "adamw": "adamw", "kfac-adamw": "adamw", "muon": "muon",
+    "soap": "soap",
+}  # fmt: skip
 #: The ``--optimizer`` values whose base optimizer K-FAC preconditions.
 KFAC_OPTIMIZERS: frozenset[str] = frozenset({"kfac", "kfac-adamw"})
 LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
@@ -85,6 +89,7 @@ class TrainConfig:
     gpt_dim: int = 128
     gpt_dropout: float = 0.0
     train_limit: int | None = None
+    val_split: float = 0.0
     epochs: int = 10
     max_steps: int | None = None
     eval_every: int | None = None
@@ -98,11 +103,13 @@ class TrainConfig:
     weight_decay: float = 5e-4
     lr_schedule: str = "cosine"
     warmup_epochs: float = 0.0
+    warmup_steps: int | None = None
     milestones: tuple[float, ...] = ()
     lr_gamma: float = 0.1
     poly_power: float = 2.0
     poly_start_epoch: float = 0.0
     poly_end_epoch: float | None = None
+    lr_schedule_steps: int | None = None
     strategy: str = "spd-kfac"
     damping: float = 0.1
     damping_initial: float | None = None
@@ -148,15 +155,20 @@ class TrainConfig:
         for name in ("damping_warmup_steps", "checkpoint_every", "seed", "stale_growth_steps"):
             check_int(name, getattr(self, name), low=0)
         for name in ("max_steps", "threads", "stale_switch_step", "train_limit", "eval_every",
-                     "evals_per_epoch"):  # fmt: skip
+                     "evals_per_epoch", "lr_schedule_steps"):  # fmt: skip
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1)
+        if self.warmup_steps is not None:
+            check_int("warmup_steps", self.warmup_steps, low=0)
         for name in ("lr", "damping", "factor_decay", "lr_gamma", "poly_power",
                      "collective_timeout"):  # fmt: skip
             check_number(name, getattr(self, name))
         for name in ("weight_decay", "warmup_epochs", "mixup_alpha", "poly_start_epoch"):
             check_number(name, getattr(self, name), low_inclusive=True)
-        check_number("momentum", self.momentum, low_inclusive=True, high=1.0, high_inclusive=False)
+        for name in ("momentum", "val_split"):
+            check_number(
+                name, getattr(self, name), low_inclusive=True, high=1.0, high_inclusive=False
+            )
         for name in ("random_erasing", "label_smoothing", "target_accuracy", "gpt_dropout"):
             check_number(name, getattr(self, name), low_inclusive=True, high=1.0)
         check_number("factor_decay", self.factor_decay, high=1.0)
@@ -167,6 +179,11 @@ class TrainConfig:
             raise ValueError("nesterov needs momentum > 0, got momentum=0")
         for milestone in self.milestones:
             check_number("milestones", milestone)
+        if self.warmup_steps is not None and self.warmup_epochs > 0:
+            raise ValueError(
+                f"give warmup_epochs ({self.warmup_epochs}) or warmup_steps "
+                f"({self.warmup_steps}), not both"
+            )
         if self.eval_every is not None and self.evals_per_epoch is not None:
             raise ValueError(
                 f"give eval_every ({self.eval_every}) or evals_per_epoch "
@@ -201,7 +218,8 @@ class TrainConfig:
 
     @property
     def base_optimizer(self) -> str:
-        """``"sgd"`` or ``"adamw"``: the ``torch.optim`` optimizer that applies the update."""
+        """The optimizer that applies the update: ``"sgd"``, ``"adamw"``, ``"muon"`` (Muon on
+        hidden weight matrices, AdamW on the rest) or ``"soap"`` (heavyball's SOAP)."""
         return OPTIMIZERS[self.optimizer]
 
     def to_dict(self) -> dict[str, Any]:

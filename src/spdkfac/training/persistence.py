@@ -91,6 +91,8 @@ def save_checkpoint(
         rank_state: This rank's own state (plain values and tensors).
     """
     directory = step_directory(root, step)
+    # Every rank: with strategy="osawa" state_dict() gathers the owners' factors.
+    precond_state = None if preconditioner is None else preconditioner.state_dict()
     if comm.rank == 0:
         atomic_torch_save(
             directory / "common.pt",
@@ -103,7 +105,7 @@ def save_checkpoint(
                 "metrics": list(metrics),
                 "model": module.state_dict(),
                 "optimizer": optimizer.state_dict(),
-                "preconditioner": None if preconditioner is None else preconditioner.state_dict(),
+                "preconditioner": precond_state,
             },
         )
     atomic_torch_save(

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,14 +18,19 @@ from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.schedules import damping_warmup, stale_interval
 from spdkfac.training.config import TrainConfig
 from spdkfac.training.lr_schedules import cosine_lr, polynomial_lr, step_lr
+from spdkfac.training.optimizers import BASE_OPTIMIZERS, build_base_optimizer
 
 __all__ = [
     "BASE_OPTIMIZERS",
     "IMAGE_LOADERS",
     "LR_SCHEDULE_BUILDERS",
+    "VALIDATION_SEED",
     "build_schedules",
     "load_datasets",
     "make_optimizers",
+    "schedule_epochs",
+    "split_validation",
+    "warmup_epochs",
 ]
 
 FloatFn = Callable[[int], float]
@@ -75,14 +80,57 @@ def load_datasets(config: TrainConfig) -> ImageSplits:
     return train, test, classes, channels, size
 
 
+def warmup_epochs(config: TrainConfig, steps_per_epoch: int) -> float:
+    """The linear warm-up's length in epochs: ``warmup_steps`` when given, else
+    ``warmup_epochs``."""
+    if config.warmup_steps is not None:
+        return config.warmup_steps / steps_per_epoch
+    return config.warmup_epochs
+
+
+def schedule_epochs(config: TrainConfig, steps_per_epoch: int) -> float:
+    """Where a decaying schedule ends, in epochs: ``lr_schedule_steps`` when given (a
+    schedule may end before the run, or within an epoch), else ``epochs``."""
+    if config.lr_schedule_steps is not None:
+        return config.lr_schedule_steps / steps_per_epoch
+    return float(config.epochs)
+
+
+#: Seed of the held-out permutation: every run (whatever its ``--seed``) holds out the same
+#: examples, so the trials of a study are scored on one validation split.
+VALIDATION_SEED = 0
+
+
+def split_validation(train: TensorDataset, fraction: float) -> tuple[TensorDataset, TensorDataset]:
+    """(train, validation): a fixed random ``fraction`` of the training examples held out.
+
+    Both keep the examples' original order.
+
+    Raises:
+        ValueError: ``fraction`` leaves no example on one side.
+    """
+    count = round(len(train) * fraction)
+    if not 0 < count < len(train):
+        raise ValueError(
+            f"val_split {fraction} of {len(train)} training examples holds out {count}; "
+            "both sides need at least one"
+        )
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(VALIDATION_SEED))
+    held, kept = order[:count].sort().values, order[count:].sort().values
+    return (
+        TensorDataset(*(t[kept] for t in train.tensors)),
+        TensorDataset(*(t[held] for t in train.tensors)),
+    )
+
+
 def _polynomial(config: TrainConfig, steps_per_epoch: int) -> FloatFn:
     return polynomial_lr(
         config.lr,
         steps_per_epoch=steps_per_epoch,
         epoch_start=config.poly_start_epoch,
-        epoch_end=config.poly_end_epoch or float(config.epochs),
+        epoch_end=config.poly_end_epoch or schedule_epochs(config, steps_per_epoch),
         power=config.poly_power,
-        warmup_epochs=config.warmup_epochs,
+        warmup_epochs=warmup_epochs(config, steps_per_epoch),
     )
 
 
@@ -90,8 +138,8 @@ def _cosine(config: TrainConfig, steps_per_epoch: int) -> FloatFn:
     return cosine_lr(
         config.lr,
         steps_per_epoch=steps_per_epoch,
-        total_epochs=float(config.epochs),
-        warmup_epochs=config.warmup_epochs,
+        total_epochs=schedule_epochs(config, steps_per_epoch),
+        warmup_epochs=warmup_epochs(config, steps_per_epoch),
     )
 
 
@@ -101,7 +149,7 @@ def _step(config: TrainConfig, steps_per_epoch: int) -> FloatFn:
         steps_per_epoch=steps_per_epoch,
         milestones=config.milestones,
         gamma=config.lr_gamma,
-        warmup_epochs=config.warmup_epochs,
+        warmup_epochs=warmup_epochs(config, steps_per_epoch),
     )
 
 
@@ -111,7 +159,7 @@ def _constant(config: TrainConfig, steps_per_epoch: int) -> FloatFn:
         steps_per_epoch=steps_per_epoch,
         milestones=(),
         gamma=1.0,
-        warmup_epochs=config.warmup_epochs,
+        warmup_epochs=warmup_epochs(config, steps_per_epoch),
     )
 
 
@@ -157,39 +205,16 @@ def build_schedules(
     return lr, damping, factor, inverse
 
 
-def _sgd(config: TrainConfig, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD(
-        params,
-        lr=lr,
-        momentum=config.momentum,
-        nesterov=config.nesterov,
-        weight_decay=config.weight_decay,
-    )
-
-
-def _adamw(config: TrainConfig, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)
-
-
-#: The base optimizers of :data:`spdkfac.training.config.OPTIMIZERS`, by name.
-BASE_OPTIMIZERS: dict[
-    str, Callable[[TrainConfig, Iterable[nn.Parameter], float], torch.optim.Optimizer]
-] = {
-    "sgd": _sgd,
-    "adamw": _adamw,
-}
-
-
 def make_optimizers(
     config: TrainConfig, model: nn.Module, steps_per_epoch: int
 ) -> tuple[FloatFn, torch.optim.Optimizer, KFACPreconditioner | None]:
-    """(lr schedule, SGD or AdamW, K-FAC or None) for ``model``, as the options ask.
+    """(lr schedule, base optimizer, K-FAC or None) for ``model``, as the options ask.
 
     ``model`` is what the forward pass runs (wrapped in ``DistributedDataParallel`` under
     more than one rank); K-FAC is constructed on it, a collective when there are ranks.
     """
     lr, damping, factor_steps, inv_steps = build_schedules(config, steps_per_epoch)
-    optimizer = BASE_OPTIMIZERS[config.base_optimizer](config, model.parameters(), lr(0))
+    optimizer = build_base_optimizer(config, model, lr(0))
     if not config.uses_kfac:
         return lr, optimizer, None
     precond = KFACPreconditioner(

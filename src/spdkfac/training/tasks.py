@@ -16,6 +16,11 @@ each evaluation    ``test_accuracy`` on the test set           ``val_loss``,
 at the end         (nothing more)                              ``test_loss``,
                                                                ``test_bits_per_byte``
 =================  ==========================================  ===========================
+
+With ``val_split`` > 0 a part of the training data is held out and each evaluation scores
+it instead (for tuning without looking at the test set): images score ``val_accuracy`` on
+a fixed random subset of the training images, text scores ``val_loss`` and
+``val_bits_per_byte`` on the last stretch of the training split.
 """
 
 from __future__ import annotations
@@ -32,12 +37,12 @@ from torch.utils.data import Dataset, TensorDataset
 
 from spdkfac.comm import Communicator
 from spdkfac.data.augment import RunningMixup, random_crop_flip, random_erasing, soft_cross_entropy
-from spdkfac.data.text import VOCAB_SIZE, TextWindows, load_text_corpus
+from spdkfac.data.text import VOCAB_SIZE, TextCorpusError, TextWindows, load_text_corpus
 from spdkfac.models import ModelKind, build_model
 from spdkfac.training.config import DATASET_KINDS, TrainConfig
 from spdkfac.training.loop import evaluate_accuracy, evaluate_loss, token_cross_entropy
 from spdkfac.training.metrics import EpochMetrics
-from spdkfac.training.setup import load_datasets
+from spdkfac.training.setup import load_datasets, split_validation
 
 __all__ = ["TASKS", "Batch", "ImageTask", "Task", "TaskData", "TextTask", "task_for"]
 
@@ -53,10 +58,12 @@ class TaskData:
         train: The sampler's dataset: one index is one training example (an image, or a
             stretch of ``seq_len`` bytes).
         evaluation: (inputs, targets) scored at each evaluation: the test set of images,
-            the validation split of a text.
+            the validation split of a text, or with ``val_split`` the held-out training
+            examples.
         final: (inputs, targets) scored once at the end (a text's test split), or None.
         model_args: Keyword arguments of :func:`spdkfac.models.build_model`.
         num_classes: Classes of the labels (mixup's one-hot width) or the vocabulary.
+        evaluation_name: The prefix of the evaluation's scores (``"test"`` or ``"val"``).
     """
 
     train: Dataset[Any]
@@ -64,6 +71,7 @@ class TaskData:
     final: tuple[Tensor, Tensor] | None
     model_args: dict[str, Any] = field(default_factory=dict)
     num_classes: int = 10
+    evaluation_name: str = "test"
 
 
 class Task(ABC):
@@ -97,10 +105,8 @@ class Task(ABC):
         """The mean training loss of a micro-batch."""
 
     @abstractmethod
-    def evaluate(
-        self, model: nn.Module, split: tuple[Tensor, Tensor], comm: Communicator
-    ) -> dict[str, float]:
-        """The scores of an evaluation's row (a collective)."""
+    def evaluate(self, model: nn.Module, data: TaskData, comm: Communicator) -> dict[str, float]:
+        """The scores of an evaluation's row on ``data.evaluation`` (a collective)."""
 
     def final_scores(
         self, model: nn.Module, data: TaskData, comm: Communicator
@@ -130,9 +136,13 @@ class ImageTask(Task):
 
     def load(self, config: TrainConfig) -> TaskData:
         train, test, classes, channels, size = load_datasets(config)
+        name = "test"
+        if config.val_split > 0:
+            train, test = split_validation(train, config.val_split)
+            name = "val"
         images, labels = test.tensors
         model_args = {"num_classes": classes, "in_channels": channels, "input_size": size}
-        return TaskData(train, (images, labels), None, model_args, classes)
+        return TaskData(train, (images, labels), None, model_args, classes, name)
 
     def batch(
         self,
@@ -162,19 +172,21 @@ class ImageTask(Task):
             logits, targets, label_smoothing=config.label_smoothing
         )
 
-    def evaluate(
-        self, model: nn.Module, split: tuple[Tensor, Tensor], comm: Communicator
-    ) -> dict[str, float]:
-        return {"test_accuracy": evaluate_accuracy(model, *split, comm)}
+    def evaluate(self, model: nn.Module, data: TaskData, comm: Communicator) -> dict[str, float]:
+        accuracy = evaluate_accuracy(model, *data.evaluation, comm)
+        return {f"{data.evaluation_name}_accuracy": accuracy}
 
     def describe(self, scores: dict[str, float]) -> str:
-        return f"test acc {scores['test_accuracy']:.4f}"
+        return " ".join(
+            f"{key.removesuffix('_accuracy')} acc {value:.4f}" for key, value in scores.items()
+        )
 
     def summary_scores(
         self, metrics: Sequence[EpochMetrics], final: dict[str, float], config: TrainConfig
     ) -> dict[str, Any]:
-        accuracies = [m.scores["test_accuracy"] for m in metrics]
-        reached = [m for m in metrics if m.scores["test_accuracy"] >= config.target_accuracy]
+        key = _accuracy_key(config)
+        accuracies = [m.scores[key] for m in metrics]
+        reached = [m for m in metrics if m.scores[key] >= config.target_accuracy]
         # The first evaluation at or above the target: as fine as the evaluation schedule.
         return {
             "best_accuracy": max(accuracies, default=0.0),
@@ -192,10 +204,15 @@ class ImageTask(Task):
             if scores["epochs_to_target"] is not None
             else f"did not reach {target:.2%}"
         )
+        split = "validation" if config.val_split > 0 else "test"
         return (
-            f"best test accuracy {scores['best_accuracy']:.4f}, final "
+            f"best {split} accuracy {scores['best_accuracy']:.4f}, final "
             f"{scores['final_accuracy']:.4f}; {reached}"
         )
+
+
+def _accuracy_key(config: TrainConfig) -> str:
+    return "val_accuracy" if config.val_split > 0 else "test_accuracy"
 
 
 def _loss_scores(prefix: str, loss: float) -> dict[str, float]:
@@ -209,6 +226,17 @@ class TextTask(Task):
 
     def load(self, config: TrainConfig) -> TaskData:
         corpus = load_text_corpus(config.data, seq_len=config.seq_len)
+        train, evaluation = corpus.train, corpus.validation
+        if config.val_split > 0:
+            cut = len(train) - int(len(train) * config.val_split)
+            train, evaluation = train[:cut], train[cut:]
+            if min(len(train), len(evaluation)) < config.seq_len + 1:
+                raise TextCorpusError(
+                    f"val_split {config.val_split} of the {len(corpus.train)}-byte training "
+                    f"split of {corpus.path} leaves {len(train)} bytes to train on and "
+                    f"{len(evaluation)} held out; each needs --seq-len + 1 = "
+                    f"{config.seq_len + 1}"
+                )
         model_args = {
             "vocab_size": VOCAB_SIZE,
             "block_size": config.seq_len,
@@ -218,11 +246,12 @@ class TextTask(Task):
             "dropout": config.gpt_dropout,
         }
         return TaskData(
-            TextWindows(corpus.train, config.seq_len),
-            TextWindows(corpus.validation, config.seq_len).tensors(),
+            TextWindows(train, config.seq_len),
+            TextWindows(evaluation, config.seq_len).tensors(),
             TextWindows(corpus.test, config.seq_len).tensors(),
             model_args,
             VOCAB_SIZE,
+            "val",
         )
 
     def batch(
@@ -242,10 +271,8 @@ class TextTask(Task):
     ) -> Tensor:
         return token_cross_entropy(logits, targets, label_smoothing=config.label_smoothing)
 
-    def evaluate(
-        self, model: nn.Module, split: tuple[Tensor, Tensor], comm: Communicator
-    ) -> dict[str, float]:
-        return _loss_scores("val", evaluate_loss(model, *split, comm))
+    def evaluate(self, model: nn.Module, data: TaskData, comm: Communicator) -> dict[str, float]:
+        return _loss_scores(data.evaluation_name, evaluate_loss(model, *data.evaluation, comm))
 
     def final_scores(
         self, model: nn.Module, data: TaskData, comm: Communicator

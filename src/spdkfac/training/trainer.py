@@ -274,7 +274,7 @@ def _evaluate(run: _Run, epoch_seconds: float, *, reset: bool) -> EpochMetrics:
     comm = run.comm
     finite = [x for x in run.losses if math.isfinite(x)]  # skipped (NaN) steps left out
     mean = comm.all_reduce_average(torch.tensor([sum(finite) / max(len(finite), 1)]))
-    scores = run.task.evaluate(run.model, run.data.evaluation, comm)
+    scores = run.task.evaluate(run.model, run.data, comm)
     row = EpochMetrics(
         epoch=epoch_at(run.step, run.steps_per_epoch),
         step=run.step,

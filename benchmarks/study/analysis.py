@@ -1,0 +1,212 @@
+"""From records to answers: time and steps to a target, selection, final tables, ratios.
+
+A run's time to a target is its training clock (``train_seconds``: evaluations and
+checkpoints excluded, everything else in) at the first evaluation at or past the target.
+A run that never gets there counts as its full budget: the workload's budget in steps,
+and the run's own seconds per step times that many steps. A run that failed has no rate
+and counts as infinitely slow.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from study.protocol import Workload
+
+__all__ = [
+    "Outcome",
+    "Row",
+    "budget_point",
+    "curve",
+    "final_rows",
+    "final_targets",
+    "final_value",
+    "outcome",
+    "ratio",
+    "select",
+    "tuning_key",
+    "tuning_targets",
+]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """When a run first reached a target, or its full budget if it never did."""
+
+    reached: bool
+    steps: float
+    seconds: float
+
+
+def curve(record: dict[str, Any], metric: str) -> list[tuple[int, float, float]]:
+    """(step, training seconds, score) at each evaluation that scored ``metric``."""
+    rows = record.get("summary", {}).get("metrics", [])
+    return [
+        (int(row["step"]), float(row["train_seconds"]), float(row[metric]))
+        for row in rows
+        if metric in row
+    ]
+
+
+def budget_point(record: dict[str, Any], workload: Workload) -> tuple[float, float]:
+    """(steps, seconds) of the workload's full budget at this run's pace (inf if failed)."""
+    summary = record.get("summary")
+    if record.get("status") != "ok" or not summary or not summary.get("steps"):
+        return math.inf, math.inf
+    steps = float(workload.budget)
+    if workload.unit == "epochs":
+        last = summary["metrics"][-1]
+        steps = round(float(last["step"]) / float(last["epoch"]) * workload.budget)
+    return steps, float(summary["train_seconds"]) / float(summary["steps"]) * steps
+
+
+def _passes(value: float, target: float, higher_is_better: bool) -> bool:
+    return value >= target if higher_is_better else value <= target
+
+
+def outcome(record: dict[str, Any], workload: Workload, metric: str, target: float) -> Outcome:
+    """Steps and seconds to ``target`` on ``metric``, or the full budget."""
+    for step, seconds, value in curve(record, metric):
+        if _passes(value, target, workload.higher_is_better):
+            return Outcome(True, float(step), seconds)
+    steps, seconds = budget_point(record, workload)
+    return Outcome(False, steps, seconds)
+
+
+def final_value(record: dict[str, Any], metric: str) -> float | None:
+    """The score at the run's last evaluation (None without one)."""
+    points = curve(record, metric)
+    return points[-1][2] if points else None
+
+
+def _ok(records: Sequence[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in records
+        if r.get("status") == "ok" and all(r.get(k) == v for k, v in fields.items())
+    ]
+
+
+def tuning_targets(records: Sequence[dict[str, Any]], workload: Workload) -> tuple[float, ...]:
+    """The targets tuning trials are timed to: the workload's own, or the best final
+    validation score among the reference optimizer's trials (none before one finished)."""
+    if workload.targets:
+        return workload.targets
+    values = [
+        v
+        for r in _ok(records, workload=workload.name, phase="tune", optimizer=workload.reference)
+        if (v := final_value(r, workload.tune_metric)) is not None and math.isfinite(v)
+    ]
+    if not values:
+        return ()
+    return (max(values) if workload.higher_is_better else min(values),)
+
+
+def tuning_key(
+    record: dict[str, Any], workload: Workload, targets: Sequence[float]
+) -> tuple[float, ...]:
+    """Sort key of a tuning trial, smaller is better: seconds to each target, strictest
+    first (never reached: inf), then the final score (larger first for accuracies)."""
+    if record.get("status") != "ok":
+        return (math.inf,) * (len(targets) + 1)
+    strictest = sorted(targets, reverse=workload.higher_is_better)
+    times = [outcome(record, workload, workload.tune_metric, t) for t in strictest]
+    value = final_value(record, workload.tune_metric)
+    if value is None or not math.isfinite(value):
+        last = math.inf
+    else:
+        last = -value if workload.higher_is_better else value
+    return (*(o.seconds if o.reached else math.inf for o in times), last)
+
+
+def select(
+    records: Sequence[dict[str, Any]], workload: Workload
+) -> dict[str, dict[str, Any] | None]:
+    """Each optimizer's best tuning trial (None when all of them failed); ties go to the
+    earlier trial."""
+    targets = tuning_targets(records, workload)
+    chosen: dict[str, dict[str, Any] | None] = {}
+    for optimizer in workload.spaces:
+        trials = _ok(records, workload=workload.name, phase="tune", optimizer=optimizer)
+        ranked = sorted(trials, key=lambda r: (tuning_key(r, workload, targets), r["index"]))
+        chosen[optimizer] = ranked[0] if ranked else None
+    return chosen
+
+
+def final_targets(records: Sequence[dict[str, Any]], workload: Workload) -> tuple[float, ...]:
+    """The final runs' targets: the workload's own, or the median over the reference
+    optimizer's final runs of their final score (none before one finished)."""
+    if workload.targets:
+        return workload.targets
+    values = [
+        v
+        for r in _ok(records, workload=workload.name, phase="final", optimizer=workload.reference)
+        if (v := final_value(r, workload.final_metric)) is not None
+    ]
+    return (statistics.median(values),) if values else ()
+
+
+@dataclass(frozen=True)
+class Row:
+    """One optimizer at one target over its final runs (one outcome per seed)."""
+
+    optimizer: str
+    target: float
+    outcomes: tuple[Outcome, ...]
+    ms_per_step: float
+    final_scores: tuple[float, ...]
+
+    @property
+    def median_seconds(self) -> float:
+        return statistics.median(o.seconds for o in self.outcomes)
+
+    @property
+    def median_steps(self) -> float:
+        return statistics.median(o.steps for o in self.outcomes)
+
+    @property
+    def reached(self) -> int:
+        return sum(o.reached for o in self.outcomes)
+
+
+def final_rows(records: Sequence[dict[str, Any]], workload: Workload, target: float) -> list[Row]:
+    """One :class:`Row` per optimizer with final runs (failed runs included, as inf)."""
+    rows = []
+    for optimizer in workload.spaces:
+        runs = [
+            r
+            for r in records
+            if r["workload"] == workload.name
+            and r["phase"] == "final"
+            and r["optimizer"] == optimizer
+        ]
+        if not runs:
+            continue
+        outcomes = tuple(outcome(r, workload, workload.final_metric, target) for r in runs)
+        pace = [
+            1e3 * r["summary"]["train_seconds"] / r["summary"]["steps"]
+            for r in _ok(runs)
+            if r["summary"].get("steps")
+        ]
+        finals = tuple(v for r in runs if (v := final_value(r, workload.final_metric)) is not None)
+        rows.append(
+            Row(optimizer, target, outcomes, statistics.median(pace) if pace else math.inf, finals)
+        )
+    return rows
+
+
+def ratio(rows: Sequence[Row], kfac: str) -> tuple[float, Row, Row] | None:
+    """(K-FAC's median seconds / the best other optimizer's, K-FAC's row, that row), or
+    None without K-FAC or another optimizer."""
+    mine = next((row for row in rows if row.optimizer == kfac), None)
+    others = [row for row in rows if row.optimizer != kfac]
+    if mine is None or not others:
+        return None
+    best = min(others, key=lambda row: row.median_seconds)
+    if math.isinf(mine.median_seconds) and math.isinf(best.median_seconds):
+        return math.nan, mine, best
+    return mine.median_seconds / best.median_seconds, mine, best

@@ -1,0 +1,314 @@
+"""The study's markdown report: protocol first, then results, chosen configs, every trial.
+
+The results open with the issue's ratio lines, exactly ``ratio <workload> <target>: X``
+(K-FAC's median time to the target over the best other optimizer's; ``n/a`` and why
+while a number is missing), then per workload the final table (median and range over
+seeds of time and steps to each target), where K-FAC's time goes (steps vs cost per
+step), and score-vs-wall-time plots when matplotlib imports.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from spdkfac.optional import optional_import, skip_notice
+from study.analysis import (
+    Row,
+    final_rows,
+    final_targets,
+    final_value,
+    outcome,
+    ratio,
+    select,
+    tuning_targets,
+)
+from study.protocol import StudyPlan, Workload
+
+__all__ = ["ratio_lines", "write_report"]
+
+
+def _number(value: float, digits: int = 1) -> str:
+    if math.isnan(value):
+        return "—"
+    return "never" if math.isinf(value) else f"{value:.{digits}f}"
+
+
+def _range(values: Sequence[float], digits: int = 1) -> str:
+    return f"{_number(min(values), digits)}–{_number(max(values), digits)}"
+
+
+def ratio_lines(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
+    """``ratio <workload> <label>: X`` for every target of every workload."""
+    lines = []
+    for workload in plan.workloads:
+        targets = final_targets(records, workload)
+        for index, label in enumerate(workload.labels):
+            prefix = f"ratio {' '.join(filter(None, (workload.name, label)))}:"
+            if index >= len(targets):
+                lines.append(
+                    f"{prefix} n/a (the {workload.reference} final runs set this "
+                    "target; none has finished)"
+                )
+                continue
+            found = ratio(final_rows(records, workload, targets[index]), workload.kfac)
+            if found is None:
+                lines.append(
+                    f"{prefix} n/a (needs final runs of {workload.kfac} and of another optimizer)"
+                )
+            else:
+                lines.append(f"{prefix} {found[0]:.2f}")
+    return lines
+
+
+def _protocol(plan: StudyPlan) -> list[str]:
+    lines = [
+        "## Protocol (declared before any run)",
+        "",
+        f"- Every run is one `spdkfac train` under `torchrun --standalone --nproc-per-node "
+        f"{plan.workers}` (one thread per worker, `OMP_NUM_THREADS=1`), one run at a time.",
+        f"- Tuning: {plan.trials} trials per optimizer, drawn at random (seeded) from its "
+        "search space below, every optimizer the same number; trial i of each optimizer "
+        f"runs in turn. Trials use seed {plan.tune_seed} and score a validation split "
+        "carved from the training data (`--val-split`); the test set is never looked at. "
+        "No early stopping: every trial runs its whole schedule.",
+        "- Selection: per optimizer, the trial that reaches the strictest target on the "
+        "validation split soonest (training seconds), then the next target, then the best "
+        "final validation score.",
+        f"- Final runs: each chosen configuration with seeds {', '.join(map(str, plan.seeds))}, "
+        "the optimizers alternating seed by seed, on the full training set.",
+        "- Time: `spdkfac train`'s training clock; evaluations and checkpoints are "
+        "excluded, everything else (K-FAC's factor, inverse and communication work "
+        "included) counts. A target is reached at the first evaluation at or past it.",
+        "- A run that never reaches a target counts as its full budget: the workload's "
+        "budget in steps and its own seconds per step times that many steps; a failed run "
+        "counts as never (infinite).",
+        "- `schedule` is the cosine schedule's length as a fraction of the budget (the run "
+        "ends with it); `warmup` is the linear warm-up as a fraction of that schedule.",
+    ]
+    lines += [f"- Note: {note}" for note in plan.notes]
+    for workload in plan.workloads:
+        target = (
+            ", ".join(workload.labels) + f" {workload.final_metric}"
+            if workload.targets
+            else f"the median final {workload.final_metric} of the {workload.reference} "
+            "final runs (its best configuration at the end of its schedule); tuning trials "
+            f"are timed to the best final {workload.tune_metric} of the {workload.reference} "
+            "tuning trials"
+        )
+        lines += [
+            "",
+            f"### Workload {workload.name}",
+            "",
+            f"{workload.description}. Budget: {workload.budget} {workload.unit}. "
+            f"Targets: {target}.  ",
+            f"Flags of every run: `{' '.join(workload.flags)}`  ",
+            f"Tuning trials add `{' '.join(workload.tune_flags)}` and are scored on "
+            f"`{workload.tune_metric}`; final runs add `{' '.join(workload.final_flags)}` "
+            f"and are timed on `{workload.final_metric}`.",
+            "",
+            "| optimizer | fixed flags | search space |",
+            "|---|---|---|",
+        ]
+        for name, space in workload.spaces.items():
+            searched = "; ".join(f"{k}: {d.describe()}" for k, d in space.dimensions.items())
+            lines.append(f"| {name} | `{' '.join(space.fixed)}` | {searched} |")
+    return lines
+
+
+def _final_section(workload: Workload, records: Sequence[dict[str, Any]], out: Path) -> list[str]:
+    lines = ["", f"### {workload.name}: final runs", ""]
+    targets = final_targets(records, workload)
+    finished = [r for r in records if r["workload"] == workload.name and r["phase"] == "final"]
+    if not targets or not finished:
+        return [*lines, "No final runs yet."]
+    lines += [
+        f"| target | optimizer | reached | median s | range s | median steps | range steps "
+        f"| ms/step | final {workload.final_metric} (median) |",
+        "|---|---|---|---:|---|---:|---|---:|---:|",
+    ]
+    decomposition = []
+    for target, label in zip(targets, workload.labels, strict=False):
+        rows = final_rows(records, workload, target)
+        for row in rows:
+            seconds = [o.seconds for o in row.outcomes]
+            steps = [o.steps for o in row.outcomes]
+            final = statistics.median(row.final_scores) if row.final_scores else math.nan
+            lines.append(
+                f"| {label or workload.name} ({target:.4g}) | {row.optimizer} | "
+                f"{row.reached}/{len(row.outcomes)} | {_number(row.median_seconds)} | "
+                f"{_range(seconds)} | "
+                f"{_number(row.median_steps, 0)} | {_range(steps, 0)} | "
+                f"{_number(row.ms_per_step)} | {final:.4f} |"
+            )
+        decomposition += _where_time_goes(rows, workload, label or workload.name)
+    lines += ["", *decomposition]
+    if _plot(workload, records, targets, out / f"{workload.name}.png"):
+        lines += ["", f"![{workload.final_metric} vs training wall time]({workload.name}.png)"]
+    else:
+        lines += ["", "(plot skipped: matplotlib does not import here)"]
+    return lines
+
+
+def _where_time_goes(rows: Sequence[Row], workload: Workload, label: str) -> list[str]:
+    found = ratio(rows, workload.kfac)
+    if found is None or math.isnan(found[0]):
+        return []
+    value, mine, best = found
+    steps = mine.median_steps / best.median_steps if best.median_steps else math.nan
+    pace = mine.ms_per_step / best.ms_per_step if best.ms_per_step else math.nan
+    return [
+        f"- {label}: {workload.kfac} takes {value:.2f}x the time of {best.optimizer} "
+        f"(the best other): {steps:.2f}x the steps to the target at {pace:.2f}x the time "
+        "per step."
+    ]
+
+
+def _plot(
+    workload: Workload, records: Sequence[dict[str, Any]], targets: Sequence[float], path: Path
+) -> bool:
+    matplotlib = optional_import("matplotlib")
+    if matplotlib is None:
+        print(skip_notice("matplotlib", path.name))
+        return False
+    matplotlib.use("Agg")
+    plt = optional_import("matplotlib.pyplot")
+    if plt is None:
+        print(skip_notice("matplotlib.pyplot", path.name))
+        return False
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, optimizer in enumerate(workload.spaces):
+        runs = [
+            r
+            for r in records
+            if r["workload"] == workload.name
+            and r["phase"] == "final"
+            and r["optimizer"] == optimizer
+            and r.get("status") == "ok"
+        ]
+        for number, run in enumerate(runs):
+            rows = run["summary"]["metrics"]
+            axis.plot(
+                [row["train_seconds"] for row in rows],
+                [row[workload.final_metric] for row in rows],
+                color=colours[index % len(colours)],
+                alpha=0.8,
+                marker="o",
+                ms=2,
+                label=optimizer if number == 0 else None,
+            )
+    for target in targets:
+        axis.axhline(target, color="grey", linestyle="--", linewidth=1)
+    axis.set_xlabel("training wall time (s), evaluation excluded")
+    axis.set_ylabel(workload.final_metric)
+    axis.set_title(f"{workload.name}: final runs (one line per seed)")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def _trials(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
+    hours = sum(float(r.get("process_seconds", 0.0)) for r in records) / 3600
+    lines = [
+        "",
+        "## Every trial",
+        "",
+        f"Every run of the study ({len(records)} runs, {hours:.2f} h of machine time "
+        "including start-up and evaluation), in the order it finished; none is left out.",
+    ]
+    for workload in plan.workloads:
+        targets = tuning_targets(records, workload)
+        chosen = {id(r) for r in select(records, workload).values() if r is not None}
+        lines += [
+            "",
+            f"### {workload.name}",
+            "",
+            f"Tuning targets on {workload.tune_metric}: "
+            f"{', '.join(f'{t:.4g}' for t in targets) or 'none yet'}.",
+            "",
+            "| phase | optimizer | # | seed | hyperparameters | status | s to targets | "
+            "final score | train s | ms/step | chosen |",
+            "|---|---|---:|---:|---|---|---|---:|---:|---:|---|",
+        ]
+        for record in (r for r in records if r["workload"] == workload.name):
+            tuning = record["phase"] == "tune"
+            metric = workload.tune_metric if tuning else workload.final_metric
+            aims = targets if tuning else final_targets(records, workload)
+            times = ", ".join(
+                _number(o.seconds) if o.reached else "never"
+                for o in (outcome(record, workload, metric, t) for t in aims)
+            )
+            summary = record.get("summary") or {"train_seconds": math.nan}
+            value = final_value(record, metric)
+            hparams = ", ".join(f"{k}={v:g}" for k, v in record["hparams"].items())
+            pace = (
+                (1e3 * summary["train_seconds"] / summary["steps"])
+                if summary.get("steps")
+                else math.nan
+            )
+            lines.append(
+                f"| {record['phase']} | {record['optimizer']} | {record['index']} | "
+                f"{record['seed']} | {hparams} | {record['status']} | {times or '—'} | "
+                f"{'—' if value is None else f'{value:.4f}'} | "
+                f"{_number(float(summary.get('train_seconds', math.inf)))} | {_number(pace)} | "
+                f"{'yes' if id(record) in chosen else ''} |"
+            )
+    failures = [r for r in records if r.get("status") != "ok"]
+    if failures:
+        lines += ["", "Failed runs (last lines of their output):", ""]
+        for record in failures:
+            tail = " / ".join(record.get("error", "").strip().splitlines()[-3:])
+            lines.append(f"- `{record['id']}` ({record['status']}): {tail}")
+    return lines
+
+
+def write_report(
+    plan: StudyPlan, records: Sequence[dict[str, Any]], out: Path, command: str
+) -> Path:
+    """Write ``out/report.md`` (and the plots); its path."""
+    lines = [
+        "# Time to result, fairly tuned: K-FAC against the optimizers people would pick",
+        "",
+        f"command: `{command}`",
+        "",
+        *_protocol(plan),
+        "",
+        "## Results",
+        "",
+        "K-FAC's median time to each target over the best other optimizer's (below 1: "
+        "K-FAC is faster):",
+    ]
+    for line in ratio_lines(plan, records):
+        lines += ["", line]
+    for workload in plan.workloads:
+        lines += _final_section(workload, records, out)
+    lines += [
+        "",
+        "## Chosen configurations",
+        "",
+        "The best tuning trial of each optimizer, and the flags of its final runs (each "
+        "adds `--seed S`):",
+        "",
+        "| workload | optimizer | tuning trial | final-run flags |",
+        "|---|---|---|---|",
+    ]
+    for workload in plan.workloads:
+        for optimizer, record in select(records, workload).items():
+            if record is None:
+                lines.append(f"| {workload.name} | {optimizer} | — | every trial failed |")
+                continue
+            flags = workload.flags_for(optimizer, record["hparams"]) + list(workload.final_flags)
+            lines.append(
+                f"| {workload.name} | {optimizer} | {record['index']} | `{' '.join(flags)}` |"
+            )
+    lines += _trials(plan, records)
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

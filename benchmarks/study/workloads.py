@@ -1,0 +1,217 @@
+"""The study's two workloads as declared: flags, budgets, targets and search spaces.
+
+Images: SGD with Nesterov momentum, AdamW, and SPD-KFAC preconditioning SGD (Nesterov
+too). Text: AdamW, Muon, SOAP (heavyball, when it imports) and SPD-KFAC preconditioning
+AdamW. ``--smoke`` swaps in tiny models and budgets with the same shape, for tests and
+pilots.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+
+from study.protocol import Choice, Dimension, LogUniform, SearchSpace, StudyPlan, Workload
+
+__all__ = ["build_plan"]
+
+SCHEDULE = Choice((0.6, 0.8, 1.0))
+WARMUP = Choice((0.0, 0.05, 0.1))
+SGD_LR = LogUniform(0.02, 0.8)
+IMAGE_DECAY = LogUniform(5e-5, 2e-3)
+ADAMW_LR = LogUniform(3e-4, 1e-2)
+ADAMW_DECAY = LogUniform(1e-3, 0.3)
+COMMON = ("--no-tensorboard", "--threads", "1", "--lr-schedule", "cosine")
+
+
+def _spaces_images() -> dict[str, SearchSpace]:
+    shape: dict[str, Dimension] = {"schedule": SCHEDULE, "warmup": WARMUP}
+    sgd: dict[str, Dimension] = {"lr": SGD_LR, "weight_decay": IMAGE_DECAY, **shape}
+    kfac: dict[str, Dimension] = {
+        **sgd,
+        "damping": LogUniform(1e-3, 0.3),
+        "factor_update_steps": Choice((1, 5, 10)),
+        "inv_update_steps": Choice((10, 25, 50, 100)),
+    }
+    adamw: dict[str, Dimension] = {"lr": ADAMW_LR, "weight_decay": ADAMW_DECAY, **shape}
+    momentum = ("--momentum", "0.9", "--nesterov")
+    return {
+        "sgd": SearchSpace(("--optimizer", "sgd", *momentum), sgd),
+        "adamw": SearchSpace(("--optimizer", "adamw"), adamw),
+        "kfac": SearchSpace(("--optimizer", "kfac", "--strategy", "spd-kfac", *momentum), kfac),
+    }
+
+
+def _spaces_text(soap: bool) -> dict[str, SearchSpace]:
+    adamw: dict[str, Dimension] = {
+        "lr": ADAMW_LR,
+        "weight_decay": ADAMW_DECAY,
+        "schedule": SCHEDULE,
+        "warmup": WARMUP,
+    }
+    kfac: dict[str, Dimension] = {
+        **adamw,
+        "damping": LogUniform(1e-3, 0.1),
+        "factor_update_steps": Choice((1, 5, 10)),
+        "inv_update_steps": Choice((10, 25, 50)),
+    }
+    spaces = {
+        "adamw": SearchSpace(("--optimizer", "adamw"), adamw),
+        "muon": SearchSpace(("--optimizer", "muon", "--momentum", "0.95"), adamw),
+    }
+    if soap:
+        spaces["soap"] = SearchSpace(("--optimizer", "soap"), adamw)
+    spaces["kfac-adamw"] = SearchSpace(
+        ("--optimizer", "kfac-adamw", "--strategy", "spd-kfac"), kfac
+    )
+    return spaces
+
+
+def _fashion(smoke: bool, data: str | None) -> Workload:
+    data_flags = () if data is None else ("--data", data)
+    if smoke:
+        flags = (
+            "--model",
+            "cnn",
+            "--dataset",
+            "fashion-mnist",
+            "--batch-size",
+            "32",
+            "--train-limit",
+            "512",
+            *data_flags,
+            *COMMON,
+        )
+        budget, targets, per_epoch = 1, (0.6, 0.7), "2"
+        description = "SMOKE: cnn on 512 Fashion-MNIST images, batch 32 per worker, 1 epoch"
+    else:
+        flags = (
+            "--model",
+            "resnet20",
+            "--dataset",
+            "fashion-mnist",
+            "--batch-size",
+            "128",
+            *data_flags,
+            *COMMON,
+        )
+        budget, targets, per_epoch = 10, (0.92, 0.93), "4"
+        description = "ResNet-20 on Fashion-MNIST, batch 128 per worker, at most 10 epochs"
+    return Workload(
+        name="fashion-mnist",
+        description=description,
+        flags=flags,
+        budget=budget,
+        unit="epochs",
+        tune_flags=("--val-split", "0.1", "--evals-per-epoch", per_epoch),
+        final_flags=("--evals-per-epoch", per_epoch),
+        tune_metric="val_accuracy",
+        final_metric="test_accuracy",
+        higher_is_better=True,
+        targets=targets,
+        labels=tuple(f"{t:.0%}" for t in targets),
+        reference=None,
+        kfac="kfac",
+        spaces=_spaces_images(),
+    )
+
+
+def _text(smoke: bool, data: str | None, soap: bool) -> Workload:
+    data_flags = () if data is None else ("--data", data)
+    if smoke:
+        flags = (
+            "--model",
+            "gpt",
+            "--dataset",
+            "text",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "32",
+            "--gpt-layers",
+            "1",
+            "--gpt-heads",
+            "2",
+            "--gpt-dim",
+            "32",
+            *data_flags,
+            *COMMON,
+        )
+        budget, every = 8, "4"
+        description = "SMOKE: a 1-block width-32 GPT, context 32, batch 8 per worker, 8 steps"
+    else:
+        flags = ("--model", "gpt", "--dataset", "text", "--batch-size", "16", *data_flags, *COMMON)
+        budget, every = 600, "25"
+        description = (
+            "The built-in GPT (2 blocks, width 128, 4 heads, context 128) on the fortunes "
+            "corpus, batch 16 per worker, at most 600 steps"
+        )
+    return Workload(
+        name="text",
+        description=description,
+        flags=flags,
+        budget=budget,
+        unit="steps",
+        tune_flags=("--val-split", "0.05", "--eval-every", every),
+        final_flags=("--eval-every", every),
+        tune_metric="val_bits_per_byte",
+        final_metric="val_bits_per_byte",
+        higher_is_better=False,
+        targets=(),
+        labels=("",),
+        reference="adamw",
+        kfac="kfac-adamw",
+        spaces=_spaces_text(soap),
+    )
+
+
+def build_plan(
+    *,
+    smoke: bool = False,
+    workloads: tuple[str, ...] = ("fashion-mnist", "text"),
+    optimizers: tuple[str, ...] | None = None,
+    trials: int = 6,
+    seeds: tuple[int, ...] = (1, 2, 3),
+    workers: int = 2,
+    fashion_data: str | None = None,
+    text_data: str | None = None,
+) -> StudyPlan:
+    """The study's plan; ``optimizers`` (None: all) restricts every workload's set.
+
+    Raises:
+        ValueError: An unknown workload or optimizer, or a restriction that drops the
+            optimizer whose best configuration sets a workload's target (text: adamw).
+    """
+    # find_spec, not an import: importing heavyball takes seconds, and a broken install
+    # shows as failed SOAP trials with their error in the report.
+    soap = importlib.util.find_spec("heavyball") is not None
+    notes = () if soap else ("soap: left out, the heavyball package is not installed",)
+    known = {"fashion-mnist": _fashion(smoke, fashion_data), "text": _text(smoke, text_data, soap)}
+    unknown = sorted(set(workloads) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(known)}"
+        )
+    every = {name for workload in known.values() for name in workload.spaces}
+    unknown = sorted(set(optimizers or ()) - every)
+    if unknown:
+        raise ValueError(
+            f"unknown optimizer(s) {', '.join(unknown)}; choose from {', '.join(sorted(every))}"
+        )
+    chosen = [
+        known[name] if optimizers is None else _restrict(known[name], optimizers)
+        for name in workloads
+    ]
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    return StudyPlan(tuple(chosen), trials, tuple(seeds), workers=workers, smoke=smoke, notes=notes)
+
+
+def _restrict(workload: Workload, optimizers: tuple[str, ...]) -> Workload:
+    spaces = {name: space for name, space in workload.spaces.items() if name in optimizers}
+    if workload.reference is not None and workload.reference not in spaces:
+        raise ValueError(
+            f"workload {workload.name} needs {workload.reference}: its best configuration "
+            "sets the target"
+        )
+    return replace(workload, spaces=spaces)

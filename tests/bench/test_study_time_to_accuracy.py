@@ -1,0 +1,328 @@
+"""The time-to-result study driver (benchmarks/study_time_to_accuracy.py): trials drawn
+reproducibly, a killed study continuing where it stopped, time to target with never =
+full budget, the ratio lines, selection, the report, and one real ``spdkfac train`` trial.
+
+All but the last test stand a fake launcher in for ``torchrun``: it writes the
+``summary.json`` a run would, from a made-up but deterministic curve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import study_time_to_accuracy  # noqa: E402
+from study.analysis import (  # noqa: E402
+    final_rows,
+    final_targets,
+    outcome,
+    ratio,
+    select,
+    tuning_targets,
+)
+from study.driver import planned_trials, run_study  # noqa: E402
+from study.protocol import Choice, LogUniform, StudyPlan, tuning_trials  # noqa: E402
+from study.report import ratio_lines  # noqa: E402
+from study.runner import LaunchResult  # noqa: E402
+from study.store import ProtocolMismatchError, TrialStore  # noqa: E402
+from study.workloads import build_plan  # noqa: E402
+
+__all__: list[str] = []
+
+#: Seconds per step of each optimizer in the fake runs, how fast its curve rises at its
+#: best learning rate, and that rate.
+PACE = {"sgd": 1.0, "adamw": 1.0, "kfac": 1.2, "muon": 1.1, "soap": 2.0, "kfac-adamw": 1.2}
+RATE = {"sgd": 0.02, "adamw": 0.015, "kfac": 0.04, "muon": 0.03, "soap": 0.03, "kfac-adamw": 0.04}
+BEST_LR = {"sgd": 0.1, "kfac": 0.1, "adamw": 0.003, "muon": 0.003, "soap": 0.003,
+           "kfac-adamw": 0.003}  # fmt: skip
+
+
+def _options(flags: list[str]) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for index, flag in enumerate(flags):
+        if flag.startswith("--"):
+            following = flags[index + 1] if index + 1 < len(flags) else ""
+            options[flag] = "" if following.startswith("--") else following
+    return options
+
+
+class FakeLauncher:
+    """Writes a run's summary.json from its flags; can fail some runs or interrupt one."""
+
+    def __init__(self, *, interrupt_at: int | None = None, fail: str | None = None) -> None:
+        self.calls: list[list[str]] = []
+        self.interrupt_at = interrupt_at
+        self.fail = fail  # fail runs whose flags contain this lr
+
+    def __call__(self, flags: list[str], out_dir: Path, timeout: float) -> LaunchResult:
+        self.calls.append(flags)
+        out_dir.mkdir(parents=True)
+        (out_dir / "metrics.csv").write_text("step\n1\n")  # what a killed run leaves
+        if len(self.calls) == self.interrupt_at:
+            raise KeyboardInterrupt
+        option = _options(flags)
+        if self.fail is not None and option.get("--lr") == self.fail:
+            return LaunchResult(1, 1.0, "", "Traceback ...\nRuntimeError: boom\n")
+        name, seed = option["--optimizer"], int(option["--seed"])
+        distance = math.log(float(option["--lr"]) / BEST_LR[name])
+        rate = RATE[name] * math.exp(-(distance**2) / 8)
+        pace = PACE[name] * (1 + 0.01 * seed)
+        if option["--dataset"] == "text":
+            total, every = int(option["--max-steps"]), int(option["--eval-every"])
+            steps = [*range(every, total, every), total]
+            metric = "val_bits_per_byte"
+            values = [2 + 4 * math.exp(-rate * s) for s in steps]
+            epochs = [s / 500 for s in steps]
+        else:
+            per_epoch = 100 if "--val-split" in option else 120
+            total = int(option["--epochs"]) * per_epoch
+            count = int(option["--evals-per-epoch"])
+            steps = [-(-i * per_epoch // count) for i in range(1, total * count // per_epoch + 1)]
+            metric = "val_accuracy" if "--val-split" in option else "test_accuracy"
+            values = [0.95 * (1 - math.exp(-rate * s)) for s in steps]
+            epochs = [s / per_epoch for s in steps]
+        rows = [
+            {"epoch": e, "step": s, "train_loss": 1.0, metric: v, "train_seconds": s * pace}
+            for s, v, e in zip(steps, values, epochs, strict=True)
+        ]
+        summary = {"steps": total, "train_seconds": total * pace, "eval_seconds": 1.0,
+                   "median_iteration_ms": 1e3 * pace, "metrics": rows}  # fmt: skip
+        (out_dir / "summary.json").write_text(json.dumps(summary))
+        return LaunchResult(0, total * pace + 3.0)
+
+
+def _records(out: Path) -> list[dict[str, Any]]:
+    return TrialStore(out / "trials.jsonl").records
+
+
+def _study(plan: StudyPlan, out: Path, launcher: FakeLauncher) -> TrialStore:
+    return run_study(plan, out, launcher, timeout=60, log=lambda _: None)
+
+
+def test_trials_are_drawn_the_same_on_every_restart_and_optimizers_alternate() -> None:
+    plan = build_plan(trials=3)
+    for workload in plan.workloads:
+        trials = tuning_trials(plan, workload)
+        assert [t.id for t in trials] == [t.id for t in tuning_trials(plan, workload)]
+        names = list(workload.spaces)
+        assert [t.optimizer for t in trials] == names * 3
+        assert len({t.id for t in trials}) == len(trials)
+        for trial in trials:
+            space = workload.spaces[trial.optimizer].dimensions
+            assert set(trial.hparams) == set(space)
+            for key, value in trial.hparams.items():
+                dimension = space[key]
+                if isinstance(dimension, LogUniform):
+                    assert dimension.low * 0.99 <= value <= dimension.high * 1.01
+                else:
+                    assert isinstance(dimension, Choice) and value in dimension.values
+    assert set(plan.workload("text").spaces) >= {"adamw", "muon", "kfac-adamw"}
+    assert list(plan.workload("fashion-mnist").spaces) == ["sgd", "adamw", "kfac"]
+
+
+def test_a_killed_study_continues_where_it_stopped(tmp_path: Path) -> None:
+    plan = build_plan(smoke=True, trials=2, seeds=(1,))
+    killed = FakeLauncher(interrupt_at=4)
+    with pytest.raises(KeyboardInterrupt):
+        _study(plan, tmp_path, killed)
+    done = [r["id"] for r in _records(tmp_path)]
+    assert len(done) == 3
+    fourth = tuning_trials(plan, plan.workloads[0])[3]
+    assert (tmp_path / "runs" / f"{fourth.id}.partial").exists()
+
+    resumed = FakeLauncher()
+    _study(plan, tmp_path, resumed)
+    records = _records(tmp_path)
+    ids = [r["id"] for r in records]
+    assert ids[:3] == done and len(ids) == len(set(ids))
+    tuning = planned_trials(plan, TrialStore(tmp_path / "trials.jsonl"), "tune")
+    finals = planned_trials(plan, TrialStore(tmp_path / "trials.jsonl"), "final")
+    assert len(finals) == sum(len(w.spaces) for w in plan.workloads)
+    assert set(ids) == {t.id for t in tuning + finals}
+    assert len(resumed.calls) == len(ids) - 3  # the finished trials were not run again
+    assert ids[3] == fourth.id  # the interrupted trial ran again, from scratch
+    assert not (tmp_path / "runs" / f"{fourth.id}.partial").exists()
+    assert (tmp_path / "runs" / fourth.id / "summary.json").exists()
+
+    idle = FakeLauncher(interrupt_at=1)  # would raise if anything ran
+    _study(plan, tmp_path, idle)
+    assert idle.calls == [] and len(_records(tmp_path)) == len(ids)
+
+
+def test_a_torn_last_line_is_dropped(tmp_path: Path) -> None:
+    store = TrialStore(tmp_path / "trials.jsonl")
+    store.append({"id": "a", "status": "ok"})
+    with (tmp_path / "trials.jsonl").open("a") as handle:
+        handle.write('{"id": "b", "sta')
+    again = TrialStore(tmp_path / "trials.jsonl")
+    assert [r["id"] for r in again.records] == ["a"] and again.done("a") and not again.done("b")
+    again.append({"id": "b", "status": "ok"})
+    assert [r["id"] for r in TrialStore(tmp_path / "trials.jsonl").records] == ["a", "b"]
+
+
+def test_another_protocol_is_refused_but_workloads_may_come_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    def plan(workloads: tuple[str, ...], optimizers: tuple[str, ...], trials: int) -> StudyPlan:
+        return build_plan(smoke=True, workloads=workloads, optimizers=optimizers,
+                          trials=trials, seeds=())  # fmt: skip
+
+    _study(plan(("text",), ("adamw",), 1), tmp_path, FakeLauncher())
+    with pytest.raises(ProtocolMismatchError, match=r"differs in: study\.trials"):
+        _study(plan(("text",), ("adamw",), 2), tmp_path, FakeLauncher())
+    with pytest.raises(ProtocolMismatchError, match="differs in: workload text"):
+        _study(plan(("text",), ("adamw", "muon"), 1), tmp_path, FakeLauncher())
+    # The image workload joins the study; the text trial already recorded is not rerun.
+    both = FakeLauncher()
+    _study(plan(("fashion-mnist", "text"), ("sgd", "kfac", "adamw"), 1), tmp_path, both)
+    assert [_options(flags)["--dataset"] for flags in both.calls] == ["fashion-mnist"] * 3
+    code = study_time_to_accuracy.main(["--smoke", "--workloads", "text", "--optimizers",
+                                        "adamw", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 2  # refused (6 trials, not 1) before launching anything
+
+
+def test_unknown_optimizer_or_workload_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match=r"unknown optimizer.*lion; choose from"):
+        build_plan(optimizers=("lion",))
+    with pytest.raises(ValueError, match="workload text needs adamw"):
+        build_plan(workloads=("text",), optimizers=("muon",))
+    with pytest.raises(SystemExit) as exit_info:
+        study_time_to_accuracy.main(["--workloads", "cifar"])
+    assert exit_info.value.code == 2
+    assert "unknown workload(s) cifar" in capsys.readouterr().err
+
+
+def _record(
+    optimizer: str,
+    points: list[tuple[int, float, float]],
+    *,
+    phase: str = "final",
+    seed: int = 1,
+    steps: int = 1600,
+    seconds: float = 800.0,
+    index: int = 0,
+    metric: str = "test_accuracy",
+    workload: str = "fashion-mnist",
+) -> dict[str, Any]:
+    rows = [{"epoch": s / 200, "step": s, metric: v, "train_seconds": t} for s, t, v in points]
+    return {"id": f"{phase}-{optimizer}-{seed}-{index}", "workload": workload,
+            "optimizer": optimizer, "phase": phase, "index": index, "seed": seed,
+            "hparams": {}, "status": "ok",
+            "summary": {"steps": steps, "train_seconds": seconds, "metrics": rows}}  # fmt: skip
+
+
+def test_never_reaching_a_target_counts_as_the_full_budget() -> None:
+    workload = build_plan().workload("fashion-mnist")  # budget: 10 epochs
+    run = _record("sgd", [(200, 100.0, 0.90), (600, 300.0, 0.925), (1600, 800.0, 0.928)])
+    reached = outcome(run, workload, "test_accuracy", 0.92)
+    assert (reached.reached, reached.steps, reached.seconds) == (True, 600, 300.0)
+    never = outcome(run, workload, "test_accuracy", 0.93)
+    # 200 steps per epoch, 0.5 s per step: the 10-epoch budget is 2000 steps, 1000 s.
+    assert (never.reached, never.steps, never.seconds) == (False, 2000, 1000.0)
+    failed = {**run, "status": "failed"}
+    assert math.isinf(outcome(failed, workload, "test_accuracy", 0.93).seconds)
+
+
+def test_ratio_is_kfacs_median_over_the_best_other_median() -> None:
+    plan = build_plan()
+    records = []
+    for seed, (sgd, kfac) in enumerate([(100.0, 50.0), (120.0, 70.0), (110.0, 400.0)], 1):
+        records.append(_record("sgd", [(200, sgd, 0.921), (1600, 800.0, 0.925)], seed=seed))
+        records.append(_record("adamw", [(1600, 800.0, 0.91)], seed=seed))
+        at_93 = [(400, 90.0 + seed, 0.935)] if seed < 3 else []  # seed 3 never gets there
+        records.append(_record("kfac", [(100, kfac, 0.922), *at_93, (1600, 800.0, 0.929)],
+                               seed=seed))  # fmt: skip
+    workload = plan.workload("fashion-mnist")
+    rows = final_rows(records, workload, 0.92)
+    found = ratio(rows, "kfac")
+    assert found is not None and found[2].optimizer == "sgd"  # adamw never reached 92 %
+    assert found[0] == pytest.approx(70.0 / 110.0)
+    # 93 %: K-FAC's seeds take 91, 92 and the full budget (1000 s): median 92; SGD and
+    # AdamW never get there, so the best other is their full budget, 1000 s.
+    assert ratio(final_rows(records, workload, 0.93), "kfac")[0] == pytest.approx(0.092)  # type: ignore[index]
+    assert ratio_lines(plan, records) == [
+        "ratio fashion-mnist 92%: 0.64",
+        "ratio fashion-mnist 93%: 0.09",
+        "ratio text: n/a (the adamw final runs set this target; none has finished)",
+    ]
+
+
+def test_selection_goes_to_the_fastest_to_the_strictest_target() -> None:
+    workload = build_plan().workload("fashion-mnist")
+    tune = {"phase": "tune", "metric": "val_accuracy"}
+    quick_92 = _record("sgd", [(100, 50.0, 0.925), (1600, 800.0, 0.928)], index=0, **tune)
+    slow_93 = _record("sgd", [(100, 60.0, 0.925), (900, 500.0, 0.931)], index=1, **tune)
+    broken = {**_record("sgd", [], index=2, **tune), "status": "failed"}
+    best_92 = _record("adamw", [(300, 150.0, 0.921), (1600, 800.0, 0.926)], index=0, **tune)
+    late_92 = _record("adamw", [(700, 350.0, 0.921), (1600, 800.0, 0.929)], index=1, **tune)
+    chosen = select([quick_92, slow_93, broken, best_92, late_92], workload)
+    assert chosen["sgd"] is slow_93 and chosen["adamw"] is best_92 and chosen["kfac"] is None
+
+
+def test_the_text_target_comes_from_adamws_best_configuration() -> None:
+    plan = build_plan()
+    workload = plan.workload("text")
+    text = {"workload": "text", "metric": "val_bits_per_byte"}
+    adamw = [_record("adamw", [(300, 90.0, 3.0), (600, 180.0, value)], phase="tune", index=i,
+                     **text) for i, value in enumerate((2.6, 2.4, 2.5))]  # fmt: skip
+    fast = _record("muon", [(200, 70.0, 2.39), (400, 140.0, 2.3)], phase="tune", **text)
+    slow = _record("muon", [(500, 150.0, 2.35), (600, 180.0, 2.2)], phase="tune", index=1, **text)
+    records = [*adamw, fast, slow]
+    assert tuning_targets(records, workload) == (2.4,)
+    assert select(records, workload)["muon"] is fast  # sooner to 2.4, though slow ends lower
+    finals = [_record("adamw", [(600, 180.0, v)], seed=s, **text)
+              for s, v in enumerate((2.45, 2.41, 2.5), 1)]  # fmt: skip
+    assert final_targets(finals, workload) == (2.45,)
+
+
+def test_the_report_puts_the_protocol_first_and_every_trial_in(tmp_path: Path) -> None:
+    plan = build_plan(trials=2, seeds=(1, 2, 3))
+    launcher = FakeLauncher(fail="0.0203")  # the first SGD trial's lr: a failed trial
+    _study(plan, tmp_path, launcher)
+    records = _records(tmp_path)
+    assert sum(r["status"] == "failed" for r in records) == 1
+    report = (tmp_path / "report.md").read_text()
+    lines = report.splitlines()
+    assert report.index("## Protocol") < report.index("## Results") < report.index("ratio ")
+    for label in ("fashion-mnist 92%", "fashion-mnist 93%", "text"):
+        assert sum(bool(re.fullmatch(rf"ratio {label}: \d+\.\d\d", line)) for line in lines) == 1
+    trial_rows = [line for line in lines if re.match(r"\| (tune|final) \|", line)]
+    assert len(trial_rows) == len(records) == len(launcher.calls)
+    assert "| failed |" in report and "RuntimeError: boom" in report
+    assert "| 92% (0.92) | kfac | 3/3 |" in report
+    for workload in ("fashion-mnist", "text"):
+        plotted = (tmp_path / f"{workload}.png").exists()
+        assert plotted == (f"]({workload}.png)" in report)
+        assert plotted or "plot skipped" in report
+    # The fake K-FAC climbs faster: the report's ratio is the analysis's number.
+    rows = final_rows(records, plan.workload("fashion-mnist"), 0.92)
+    value = ratio(rows, "kfac")[0]  # type: ignore[index]
+    assert f"ratio fashion-mnist 92%: {value:.2f}" in lines and value < 1
+
+
+def test_a_smoke_trial_runs_spdkfac_train(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 200)
+    out = tmp_path / "study"
+    code = study_time_to_accuracy.main([
+        "--smoke", "--workers", "1", "--workloads", "text", "--optimizers", "adamw",
+        "--trials", "1", "--seeds", "1", "--phase", "tune", "--text-data", str(corpus),
+        "--out", str(out), "--timeout", "120",
+    ])  # fmt: skip
+    assert code == 0
+    (record,) = _records(out)
+    assert record["status"] == "ok", record.get("error")
+    rows = record["summary"]["metrics"]
+    assert [row["step"] for row in rows][-1] == record["summary"]["steps"] > 0
+    assert all(0 < row["val_bits_per_byte"] < 9 for row in rows)
+    assert "--val-split" in record["flags"] and (out / "report.md").exists()
+    assert not (out / "runs" / record["id"] / "checkpoints").exists()
