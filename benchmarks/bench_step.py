@@ -12,6 +12,7 @@ Sections (any combination):
 * ``--packing``: what keeping a group of one's running factors packed would cost and save.
 * ``--inversion``: inverting every factor one call each against batched by size, and
   against another checkout's ``damped_inverse`` (``--baseline-linalg``).
+* ``--finite``: ``is_finite`` of every factor, and another checkout's (same option).
 * ``--profile N``: where N steps of K-FAC 1/1 spend their time (the profiler's spans).
 
 Sections other than ``--inversion`` also run against older checkouts (``PYTHONPATH``).
@@ -30,6 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +44,7 @@ from spdkfac.comm.exchange import FactorExchange
 from spdkfac.comm.fusion import FusionPlan
 from spdkfac.curvature import running_average
 from spdkfac.layers import lookup
-from spdkfac.linalg import damped_inverse, pack_triu, unpack_triu
+from spdkfac.linalg import damped_inverse, is_finite, pack_triu, unpack_triu
 from spdkfac.models import build_model
 
 #: (label, factor_update_steps, inv_update_steps) of the step comparison; None: plain SGD.
@@ -201,6 +203,38 @@ def time_packing(model: nn.Module, inputs: Tensor, targets: Tensor, repeats: int
         print(f"| {label} | {1000 * statistics.median(values[1:]):.2f} |")
 
 
+def _load_linalg(path: str) -> Any:
+    """Another checkout's ``linalg.py`` as a module (it imports nothing of spdkfac)."""
+    spec = importlib.util.spec_from_file_location("baseline_linalg", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_finite(
+    model: nn.Module, inputs: Tensor, targets: Tensor, repeats: int, baseline: str | None
+) -> None:
+    """Time ``is_finite`` of every factor (what a factor step checks before its exchange),
+    and that of another ``linalg.py`` (``baseline``) when given (alternated)."""
+    factors = list(model_factors(model, inputs, targets).values())
+    checks = {"is_finite": is_finite}
+    if baseline is not None:
+        checks[f"is_finite ({baseline})"] = _load_linalg(baseline).is_finite
+    times: dict[str, list[float]] = {label: [] for label in checks}
+    for _ in range(repeats + 1):
+        for label, check in checks.items():
+            start = time.perf_counter()
+            for factor in factors:
+                check(factor)
+            times[label].append(time.perf_counter() - start)
+    print(f"\n## Finiteness of {len(factors)} factors\n")
+    print("| check | median ms |")
+    print("|---|---|")
+    for label, values in times.items():
+        print(f"| {label} | {1000 * statistics.median(values[1:]):.2f} |")
+
+
 def time_inversion(
     model: nn.Module, inputs: Tensor, targets: Tensor, repeats: int, baseline: str | None
 ) -> None:
@@ -225,10 +259,7 @@ def time_inversion(
 
     pieces = {"one call per factor": one_call_each, "batched by size": batched}
     if baseline is not None:
-        spec = importlib.util.spec_from_file_location("baseline_linalg", baseline)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = _load_linalg(baseline)
 
         def baseline_each() -> None:
             for group in by_dim.values():
@@ -307,6 +338,7 @@ def main() -> None:
     parser.add_argument(
         "--baseline-linalg", default=None, help="a linalg.py whose damped_inverse --inversion adds"
     )
+    parser.add_argument("--finite", action="store_true", help="time the finiteness checks")
     parser.add_argument("--profile", type=int, default=0, help="steps of K-FAC 1/1 to profile")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -323,6 +355,8 @@ def main() -> None:
         time_exchange(model, inputs, targets, args.repeats)
     if args.packing:
         time_packing(model, inputs, targets, args.repeats)
+    if args.finite:
+        time_finite(model, inputs, targets, args.repeats, args.baseline_linalg)
     if args.inversion:
         time_inversion(model, inputs, targets, args.repeats, args.baseline_linalg)
     if args.profile > 0:
