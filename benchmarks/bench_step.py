@@ -241,7 +241,9 @@ def time_inversion(
     """Time inverting every factor one call each against batched by size (alternated),
     and against ``damped_inverse`` of another ``linalg.py`` (``baseline``) when given."""
     # Imported here: the other sections also run against checkouts from before batching.
-    from spdkfac.linalg import damped_inverses
+    from spdkfac.forms import DampedInverse
+
+    damped_inverses = DampedInverse("cholesky").compute_all
 
     by_dim: dict[int, list[Tensor]] = {}
     for factor in model_factors(model, inputs, targets).values():

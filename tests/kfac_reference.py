@@ -74,3 +74,15 @@ def kronecker_precondition(
     matrix = torch.kron(g, a)
     solution = torch.linalg.solve(matrix, gradient.reshape(-1))
     return solution.reshape(gradient.shape)
+
+
+def eigenbasis_precondition(
+    gradient: Tensor, a_factor: Tensor, g_factor: Tensor, damping: float
+) -> Tensor:
+    """Solve (G ⊗ A + γI) vec(V) = vec(∇) with the explicit Kronecker matrix (row-major): the
+    damping on the Kronecker product's eigenvalues (George et al. 2018; KAISA's eigen method).
+    ``a_factor`` may be a vector (a diagonal A)."""
+    a = torch.diag(a_factor) if a_factor.dim() == 1 else a_factor
+    matrix = torch.kron(g_factor, a)
+    matrix = matrix + damping * torch.eye(matrix.shape[0], dtype=matrix.dtype)
+    return torch.linalg.solve(matrix, gradient.reshape(-1)).reshape(gradient.shape)

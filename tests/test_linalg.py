@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spdkfac import linalg
+from spdkfac import forms, linalg
+from spdkfac.forms import DampedInverse
 from spdkfac.linalg import InversionError, damped_inverse, pack_triu, packed_size, unpack_triu
 
 
@@ -183,7 +184,7 @@ def _stack(dim: int, count: int, dtype: torch.dtype = torch.float64) -> torch.Te
 def test_batched_inverse_equals_one_call_per_factor(method: str, dim: int) -> None:
     factors = _stack(dim, 5)
     original = factors.clone()
-    batched = linalg.damped_inverses(factors, 0.01, method)  # type: ignore[arg-type]
+    batched = DampedInverse(method).compute_all(factors, 0.01)  # type: ignore[arg-type]
     torch.testing.assert_close(factors, original, rtol=0, atol=0)  # workspace was a copy
     for factor, inverse in zip(factors, batched, strict=True):
         alone = damped_inverse(factor, 0.01, method)  # type: ignore[arg-type]
@@ -212,10 +213,10 @@ def test_failing_members_of_a_batch_fall_back_alone(monkeypatch: pytest.MonkeyPa
         assert inverse is not None
         torch.testing.assert_close(inverse, damped_inverse(factors[index], 0.1))
     with pytest.warns(RuntimeWarning, match="100x the damping"):
-        inverses = linalg.damped_inverses(factors[:2], 0.1)
+        inverses = DampedInverse("cholesky").compute_all(factors[:2], 0.1)
     torch.testing.assert_close(inverses[1], torch.eye(4) / 9)
     with pytest.raises(ValueError, match="NaN or Inf"):
-        linalg.damped_inverses(factors[2:], 0.1)
+        DampedInverse("cholesky").compute_all(factors[2:], 0.1)
 
 
 def test_finiteness_survives_a_sum_that_overflows() -> None:
@@ -236,15 +237,15 @@ def test_large_batches_are_split(monkeypatch: pytest.MonkeyPatch) -> None:
     assert linalg.batch_capacity(5, torch.float64) == 2
     assert linalg.batch_capacity(50, torch.float64) == 1
     sizes: list[int] = []
-    real = linalg.damped_inverse_batch
+    real = forms.damped_inverse_batch
 
     def recording(stack: torch.Tensor, *args: object) -> list[torch.Tensor | None]:
         sizes.append(stack.shape[0])
         return real(stack, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(linalg, "damped_inverse_batch", recording)
+    monkeypatch.setattr(forms, "damped_inverse_batch", recording)
     factors = _stack(5, 5)
-    inverses = linalg.damped_inverses(factors, 0.01)
+    inverses = DampedInverse("cholesky").compute_all(factors, 0.01)
     assert sizes == [2, 2, 1]
     for factor, inverse in zip(factors, inverses, strict=True):
         torch.testing.assert_close(inverse, damped_inverse(factor, 0.01), rtol=1e-12, atol=1e-12)
@@ -255,7 +256,9 @@ def test_batched_cholesky_inverse_without_reflection_is_made_exactly_symmetric(
 ) -> None:
     _solve_triangles_apart(monkeypatch)
     factors = _stack(9, 3)
-    for factor, inverse in zip(factors, linalg.damped_inverses(factors, 1e-3), strict=True):
+    for factor, inverse in zip(
+        factors, DampedInverse("cholesky").compute_all(factors, 1e-3), strict=True
+    ):
         assert torch.equal(inverse, inverse.T) and inverse.is_contiguous()
         expected = torch.linalg.inv(factor + 1e-3 * torch.eye(9, dtype=torch.float64))
         torch.testing.assert_close(inverse, expected, rtol=1e-10, atol=1e-10)

@@ -15,8 +15,8 @@ from torch import nn
 from spdkfac.checks import check_choice, check_int, check_number
 from spdkfac.costmodel import CostModel
 from spdkfac.curvature.discovery import BlockSettings
+from spdkfac.forms import FORM_METHODS, FormMethod, InverseForm, inverse_form
 from spdkfac.layers import FactorOptions
-from spdkfac.linalg import INVERSE_METHODS, InverseMethod
 from spdkfac.strategies import STRATEGIES, Strategy
 from spdkfac.types import (
     FactorExchangeName,
@@ -39,7 +39,8 @@ __all__ = [
     "resolve_interval",
 ]
 
-_COMM_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
+#: Choices of the dtype options (None: the default of each).
+_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16)
 #: Options that may change during training (:meth:`KFACConfig.updated`).
 MUTABLE_OPTIONS = (
     "damping",
@@ -118,7 +119,15 @@ class KFACConfig:
         lr: Learning rate η used by the KL clip (float or callable). None (default): the
             rate of each layer's parameter group in the ``optimizer`` given to the
             preconditioner, read at every step; 0.1, with a warning, without one.
-        inverse_method: ``"cholesky"`` or ``"eigen"``; both compute (F + γI)⁻¹.
+        inverse_method: ``"cholesky"`` or ``"eigen"`` (both compute each factor's
+            ``(F + γI)⁻¹``), or ``"eigen-basis"`` (each factor's eigendecomposition, the
+            damping added to the Kronecker product's eigenvalues, as KAISA's eigen
+            method): see :mod:`spdkfac.forms`.
+        inverse_dtype: Dtype inverses (or eigen-bases) are stored, broadcast and applied
+            in, e.g. ``torch.bfloat16`` (decompositions run in float32); None: float32
+            (float64 for a float64 model).
+        factor_dtype: Dtype the running factors are stored in; None: float32 (float64 for
+            a float64 model). Statistics are computed and averaged over ranks as before.
         skip_layers: Module names (a name also skips its children), ``"re:<pattern>"``
             (names the regular expression matches whole), class names (``"Embedding"``)
             or module types.
@@ -161,7 +170,9 @@ class KFACConfig:
     inv_update_steps: IntSchedule = 1
     kl_clip: FloatSchedule | None = 0.001
     lr: FloatSchedule | None = None
-    inverse_method: InverseMethod = "cholesky"
+    inverse_method: FormMethod = "cholesky"
+    inverse_dtype: torch.dtype | None = None
+    factor_dtype: torch.dtype | None = None
     skip_layers: tuple[SkipEntry, ...] = field(default=())
     strategy: StrategyName = "spd-kfac"
     placement: PlacementName | None = None
@@ -190,7 +201,9 @@ class KFACConfig:
                 check_int(name, value)
         if self.kl_clip is not None and not callable(self.kl_clip):
             check_number("kl_clip", self.kl_clip)
-        check_choice("inverse_method", self.inverse_method, INVERSE_METHODS)
+        check_choice("inverse_method", self.inverse_method, FORM_METHODS)
+        check_choice("inverse_dtype", self.inverse_dtype, _DTYPES)
+        check_choice("factor_dtype", self.factor_dtype, _DTYPES)
         object.__setattr__(self, "skip_layers", _check_skip_layers(self.skip_layers))
         check_choice("strategy", self.strategy, get_args(StrategyName))
         if not isinstance(self.factor_options, FactorOptions):
@@ -201,7 +214,7 @@ class KFACConfig:
         check_int("fusion_warmup_steps", self.fusion_warmup_steps)
         check_int("accumulation_steps", self.accumulation_steps)
         check_int("max_inverse_failures", self.max_inverse_failures, low=0)
-        check_choice("factor_comm_dtype", self.factor_comm_dtype, _COMM_DTYPES)
+        check_choice("factor_comm_dtype", self.factor_comm_dtype, _DTYPES)
         if self.placement is not None:
             check_choice("placement", self.placement, get_args(PlacementName))
         check_choice("weight_sharing", self.weight_sharing, get_args(WeightSharing))
@@ -239,8 +252,14 @@ class KFACConfig:
             normalization=self.normalization,
             batchnorm=self.batchnorm,
             norm_damping_multiplier=self.batchnorm_damping_multiplier,
-            inverse_method=self.inverse_method,
+            form=self.inverse_form,
+            factor_dtype=self.factor_dtype,
         )
+
+    @property
+    def inverse_form(self) -> InverseForm:
+        """What the inverse phase computes (``inverse_method`` in ``inverse_dtype``)."""
+        return inverse_form(self.inverse_method, self.inverse_dtype)
 
     def updated(self, options: Mapping[str, Any]) -> KFACConfig:
         """These options with ``options`` changed; only :data:`MUTABLE_OPTIONS` may change.

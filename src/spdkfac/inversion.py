@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,16 +13,8 @@ from torch.futures import Future
 
 from spdkfac.comm import Communicator
 from spdkfac.curvature import CurvatureBlock
-from spdkfac.linalg import (
-    InverseMethod,
-    batch_capacity,
-    damped_inverse,
-    damped_inverse_batch,
-    inverse_dtype,
-    pack_triu,
-    packed_size,
-    unpack_triu,
-)
+from spdkfac.forms import DampedInverse, InverseForm
+from spdkfac.linalg import batch_capacity, inverse_dtype, packed_size, unpack_triu
 from spdkfac.placement import EVERY_RANK, Plan
 from spdkfac.profiling import Phase, Profiler, span_name
 
@@ -37,20 +29,25 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BroadcastGroup:
-    """Inverses one owner sends in a single broadcast, as concatenated packed triangles."""
+    """Results one owner sends in a single broadcast, concatenated in their wire format
+    (packed triangles for damped inverses)."""
 
     owner: int
     keys: tuple[str, ...]
     dims: tuple[int, ...]
+    sizes: tuple[int, ...]
 
     @property
     def elements(self) -> int:
-        """Length of the concatenated packed buffer."""
-        return sum(packed_size(dim) for dim in self.dims)
+        """Length of the concatenated buffer."""
+        return sum(self.sizes)
 
 
 def broadcast_groups(
-    plan: Plan, available: Mapping[str, object], min_group_elements: int = 0
+    plan: Plan,
+    available: Mapping[str, object],
+    min_group_elements: int = 0,
+    wire_size: Callable[[int], int] = packed_size,
 ) -> list[BroadcastGroup]:
     """Communicated factors grouped into broadcasts, in the order every rank issues them.
 
@@ -60,15 +57,16 @@ def broadcast_groups(
     interleaved (first group of every rank, then second, …) so all ranks start computing
     at once and each broadcast is issued as soon as its owner can have it ready. Depends
     only on the plan and on which factors exist, both replicated on every rank.
+    ``wire_size`` gives a result's elements from its factor's side (the inverse form's).
     """
     per_owner: list[list[BroadcastGroup]] = [[] for _ in range(plan.world_size)]
-    open_groups: list[list[tuple[str, int]]] = [[] for _ in range(plan.world_size)]
+    open_groups: list[list[tuple[str, int, int]]] = [[] for _ in range(plan.world_size)]
     for spec, owner in zip(plan.factors, plan.owners, strict=True):
         if owner == EVERY_RANK or spec.key not in available:
             continue
         members = open_groups[owner]
-        members.append((spec.key, spec.dim))
-        if sum(packed_size(dim) for _, dim in members) >= min_group_elements:
+        members.append((spec.key, spec.dim, wire_size(spec.dim)))
+        if sum(size for _, _, size in members) >= min_group_elements:
             per_owner[owner].append(_close(owner, members))
             open_groups[owner] = []
     for owner, members in enumerate(open_groups):
@@ -80,8 +78,9 @@ def broadcast_groups(
     return order
 
 
-def _close(owner: int, members: list[tuple[str, int]]) -> BroadcastGroup:
-    return BroadcastGroup(owner, tuple(key for key, _ in members), tuple(dim for _, dim in members))
+def _close(owner: int, members: list[tuple[str, int, int]]) -> BroadcastGroup:
+    keys, dims, sizes = zip(*members, strict=True)
+    return BroadcastGroup(owner, keys, dims, sizes)
 
 
 @dataclass(frozen=True)
@@ -103,21 +102,22 @@ def invert_factors(
     plan: Plan,
     communicator: Communicator,
     damping: float,
-    method: InverseMethod = "cholesky",
+    form: InverseForm | None = None,
     *,
     previous: Mapping[str, Tensor | None] | None = None,
     min_group_elements: int = 0,
     owners_keep: bool = False,
     profiler: Profiler | None = None,
 ) -> InverseOutcome:
-    """Compute ``(F + γI)⁻¹`` for every factor, placed as ``plan`` says.
+    """Compute every factor's result in ``form`` (default: ``(F + γI)⁻¹`` by Cholesky),
+    placed as ``plan`` says.
 
     ``factors`` must be identical on every rank (global factors after the exchange), each
     a full ``[d, d]`` matrix or its packed upper triangle; a packed factor is unpacked
     only on a rank that inverts it, straight into a batch of same-sized factors inverted
-    in one call (:func:`~spdkfac.linalg.damped_inverse_batch`). The owner of a
+    in one call (:meth:`~spdkfac.forms.InverseForm.compute_batch`). The owner of a
     communicated factor inverts it (batched with its broadcast group's other members) and
-    broadcasts the packed upper triangle asynchronously (grouped as
+    broadcasts the result in the form's wire format asynchronously (grouped as
     :func:`broadcast_groups` says), so the broadcast overlaps its next inversions; other
     ranks post the receive at once. Non-communicated factors are inverted locally, batched,
     after every broadcast has been issued, overlapping the transfers. Batches are formed
@@ -138,7 +138,8 @@ def invert_factors(
     profiler = profiler or Profiler()
     keys = [spec.key for spec in plan.factors if spec.key in factors]
     dims = {spec.key: spec.dim for spec in plan.factors}
-    invert = _Inverter(factors, dims, damping, method, profiler)
+    form = form or DampedInverse("cholesky")
+    invert = _Inverter(factors, dims, damping, form, profiler)
     inverses = invert.inverses
     if communicator.world_size == 1:
         invert(keys)
@@ -153,16 +154,16 @@ def invert_factors(
             previous,
         )
     pending: list[tuple[BroadcastGroup, Future[Tensor]]] = []
-    for group in broadcast_groups(plan, factors, min_group_elements):
-        dtype = inverse_dtype(factors[group.keys[0]].dtype)
+    for group in broadcast_groups(plan, factors, min_group_elements, form.wire_size):
+        dtype = form.dtype or inverse_dtype(factors[group.keys[0]].dtype)
         if group.owner == rank:
             invert(group.keys)
             with profiler.span(span_name(Phase.INVERSE_COMPUTE, "pack")):
                 parts = [
-                    pack_triu(inverse)
+                    form.pack(inverse).to(dtype)
                     if (inverse := inverses[key]) is not None
-                    else torch.zeros(packed_size(dim), dtype=dtype)
-                    for key, dim in zip(group.keys, group.dims, strict=True)
+                    else torch.zeros(size, dtype=dtype)
+                    for key, size in zip(group.keys, group.sizes, strict=True)
                 ]
                 buffer = torch.cat(parts).to(device=communicator.device, dtype=dtype)
         else:
@@ -181,9 +182,8 @@ def invert_factors(
         if group.owner == rank:
             continue
         offset = 0
-        for key, dim in zip(group.keys, group.dims, strict=True):
-            size = packed_size(dim)
-            inverses[key] = unpack_triu(received[offset : offset + size], dim).to(
+        for key, dim, size in zip(group.keys, group.dims, group.sizes, strict=True):
+            inverses[key] = form.unpack(received[offset : offset + size], dim).to(
                 factors[key].device
             )
             offset += size
@@ -198,8 +198,8 @@ class _Inverter:
     calls, each packed factor unpacked straight into its batch (the only place a running
     factor is unpacked), failures recorded.
 
-    A member whose batched attempt fails is inverted alone by
-    :func:`~spdkfac.linalg.damped_inverse` (its fallbacks and warnings); when that fails
+    A member whose batched attempt fails is computed alone by
+    :meth:`~spdkfac.forms.InverseForm.compute` (its fallbacks and warnings); when that fails
     too, it is recorded in :attr:`failed` with a warning and maps to None.
     """
 
@@ -208,13 +208,13 @@ class _Inverter:
         factors: Mapping[str, Tensor],
         dims: Mapping[str, int],
         damping: float,
-        method: InverseMethod,
+        form: InverseForm,
         profiler: Profiler,
     ) -> None:
         self._factors = factors
         self._dims = dims
         self._damping = damping
-        self._method = method
+        self._form = form
         self._profiler = profiler
         self.inverses: dict[str, Tensor | None] = {}
         self.failed: set[str] = set()
@@ -244,7 +244,7 @@ class _Inverter:
             else:
                 matrix.copy_(factor if factor.dim() == 2 else unpack_triu(factor, dim))
         try:
-            first = damped_inverse_batch(stack, self._damping, self._method)
+            first = self._form.compute_batch(stack, self._damping)
         except (ValueError, RuntimeError):  # e.g. a bad damping: each member reports it
             first = [None] * len(members)
         if self._profiler.enabled:
@@ -256,14 +256,15 @@ class _Inverter:
                 name = span_name(Phase.INVERSE_COMPUTE, key)
                 self._profiler.record(name, begin, begin + share)
         for key, inverse in zip(members, first, strict=True):
-            self.inverses[key] = inverse if inverse is not None else self._alone(key, dim)
+            result = inverse if inverse is not None else self._alone(key, dim)
+            self.inverses[key] = None if result is None else self._form.stored(result)
 
     def _alone(self, key: str, dim: int) -> Tensor | None:
         factor = self._factors[key]
         with self._profiler.span(span_name(Phase.INVERSE_COMPUTE, key)):
             try:
                 full = unpack_triu(factor, dim) if factor.dim() == 1 else factor
-                return damped_inverse(full, self._damping, self._method)
+                return self._form.compute(full, self._damping)
             except (ValueError, RuntimeError) as error:  # InversionError, LinAlgError, …
                 self.failed.add(key)
                 warnings.warn(
@@ -305,7 +306,7 @@ class InversePhase:
     Args:
         plan: Where each placed factor is inverted.
         communicator: The group.
-        method: ``"cholesky"`` or ``"eigen"``.
+        form: What is computed from each factor (the ``inverse_method``'s form).
         min_group_elements: Broadcast grouping (see :func:`broadcast_groups`).
         owners_keep: Owners keep their inverses (owner-computes exchange: no broadcast).
         max_failures: Consecutive inverse updates with a failed inversion tolerated.
@@ -316,7 +317,7 @@ class InversePhase:
         self,
         plan: Plan,
         communicator: Communicator,
-        method: InverseMethod,
+        form: InverseForm,
         *,
         min_group_elements: int,
         owners_keep: bool = False,
@@ -326,7 +327,7 @@ class InversePhase:
         self.plan = plan
         self._owners_keep = owners_keep
         self._communicator = communicator
-        self._method = method
+        self.form = form
         self._min_group_elements = min_group_elements
         self._max_failures = max_failures
         self._profiler = profiler
@@ -350,7 +351,7 @@ class InversePhase:
             self.plan,
             self._communicator,
             damping,
-            self._method,
+            self.form,
             previous=previous,
             min_group_elements=self._min_group_elements,
             owners_keep=self._owners_keep,

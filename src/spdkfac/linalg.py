@@ -21,7 +21,6 @@ __all__ = [
     "batch_capacity",
     "damped_inverse",
     "damped_inverse_batch",
-    "damped_inverses",
     "finite_members",
     "inverse_dtype",
     "is_finite",
@@ -344,27 +343,6 @@ def damped_inverse_batch(
         if ok:
             results[index] = _row_major_symmetric(inverse[position])
     return results
-
-
-def damped_inverses(
-    factors: Tensor, damping: float, method: InverseMethod = "cholesky"
-) -> list[Tensor]:
-    """:func:`damped_inverse` of every matrix of a ``[k, d, d]`` stack, batched.
-
-    The first attempt runs batched (:func:`damped_inverse_batch`, at most
-    :func:`batch_capacity` matrices per call); a matrix for which it fails goes through
-    :func:`damped_inverse` alone, with its fallbacks, warnings and errors (raised for the
-    first such matrix that no fallback inverts). ``factors`` is not modified.
-    """
-    dtype = inverse_dtype(factors.dtype)
-    capacity = batch_capacity(factors.shape[-1], dtype)
-    first: list[Tensor | None] = []
-    for chunk in factors.split(capacity):
-        first.extend(damped_inverse_batch(chunk.to(dtype, copy=True), damping, method))
-    return [
-        inverse if inverse is not None else damped_inverse(factor, damping, method)
-        for factor, inverse in zip(factors, first, strict=True)
-    ]
 
 
 #: Bytes of one batch of :func:`damped_inverse_batch` (per matrix in the working dtype).

@@ -27,6 +27,7 @@ from spdkfac.curvature import (
     blocks_state_dict,
     load_blocks_state,
     unwrap_model,
+    without_inverses,
 )
 from spdkfac.inversion import InversePhase
 from spdkfac.ownership import OwnerUpdate, drop_unowned, gather_states
@@ -130,7 +131,7 @@ class KFACPreconditioner:
         self._inverses = InversePhase(
             plan,
             self._communicator,
-            self.config.inverse_method,
+            self.config.inverse_form,
             min_group_elements=costs.broadcast_group_elements()
             if composition.fuse_broadcasts
             else 0,
@@ -331,6 +332,7 @@ class KFACPreconditioner:
             "steps": self._step,
             "skipped_steps": self._skipped_steps,
             "forward_order": self._seen_layers(),
+            "inverse_form": self.config.inverse_form.kind,
             **blocks_state_dict(
                 self._blocks, self.config.norm_mode, inverses=inverses, states=states
             ),
@@ -350,6 +352,8 @@ class KFACPreconditioner:
             raise ValueError(
                 f"state_dict format {state_dict.get('format')!r} is not {_STATE_FORMAT}"
             )
+        if state_dict.get("inverse_form", "inverse") != self.config.inverse_form.kind:
+            state_dict = without_inverses(state_dict)  # recomputed at the next step
         self._stale_inverses = load_blocks_state(self._blocks, state_dict, self.config.norm_mode)
         if isinstance(self._update, OwnerUpdate):  # owners were planned for this world size
             drop_unowned(self._blocks, self._update.owner_of, self._communicator.rank)

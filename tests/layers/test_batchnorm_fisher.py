@@ -239,6 +239,7 @@ def test_default_off_leaves_batchnorm_and_other_layers_alone() -> None:
         "steps",
         "skipped_steps",
         "forward_order",
+        "inverse_form",
         "layers",
     }
 

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from spdkfac.forms import FORM_METHODS
 from spdkfac.models import TORCHVISION_PREFIX, torchvision_builder
 from spdkfac.strategies import ALGORITHMS
 from spdkfac.training.config import (
@@ -66,7 +67,9 @@ _HELP: dict[str, str] = {
     "poly_end_epoch": "epoch where the polynomial decay reaches 0 (default: --epochs)",
     "lr_schedule_steps": "cosine and polynomial schedules end after this many optimizer "
     "steps instead of at --epochs (the run goes on to --epochs or --max-steps)",
-    "strategy": "distributed K-FAC strategy: spd-kfac, mpd-kfac or d-kfac",
+    "strategy": "distributed K-FAC strategy (a row of the strategy table in the README)",
+    "inverse_method": "what K-FAC computes from each factor: cholesky or eigen (damped "
+    "inverses), or eigen-basis (eigendecompositions, damping on the Kronecker eigenvalues)",
     "damping": "K-FAC damping (the target of the damping warm-up)",
     "damping_initial": "initial damping of the warm-up (Osawa et al.)",
     "damping_warmup_steps": "steps over which damping decays from the initial value",
@@ -119,6 +122,7 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     "optimizer": {"type": str, "choices": tuple(OPTIMIZERS)},
     "lr_schedule": {"type": str, "choices": LR_SCHEDULES},
     "strategy": {"type": str, "choices": ALGORITHMS},
+    "inverse_method": {"type": str, "choices": FORM_METHODS},
     "batchnorm": {"type": str, "choices": BATCHNORM_CURVATURES},
     "milestones": {"type": float, "nargs": "*"},
     "data": {"type": str},

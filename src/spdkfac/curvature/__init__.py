@@ -23,6 +23,7 @@ from spdkfac.curvature.state import (
     blocks_state_dict,
     load_blocks_state,
     running_average,
+    without_inverses,
 )
 
 __all__ = [
@@ -46,4 +47,5 @@ __all__ = [
     "load_blocks_state",
     "running_average",
     "unwrap_model",
+    "without_inverses",
 ]

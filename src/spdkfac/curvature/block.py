@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from spdkfac.forms import DampedInverse, InverseForm
 from spdkfac.linalg import packed_dim, unpack_triu
 from spdkfac.placement import FactorSpec
 
@@ -209,6 +210,22 @@ class FactorPairState:
     g_inverse: Tensor | None
     #: Whether A and G are symmetric matrices that may be kept packed.
     symmetric_factors: tuple[bool, bool] = (False, False)
+    #: What the inverse phase computes from A and G, and how they precondition.
+    form: InverseForm = DampedInverse("cholesky")
+    #: Storage dtype of the running factors (None: the statistics dtype).
+    factor_dtype: torch.dtype | None = None
+    #: The damping of the last inverse update (the eigen-basis form applies it at use).
+    damping: float = 0.0
+
+    def _configure(self, form: InverseForm | None, factor_dtype: torch.dtype | None) -> None:
+        if form is not None:
+            self.form = form
+        self.factor_dtype = factor_dtype
+
+    def _kept(self, new: Tensor) -> Tensor:
+        """A factor step's statistic in the running factors' storage dtype."""
+        dtype = self.factor_dtype
+        return new if dtype is None or new.dtype == dtype else new.to(dtype)
 
     def factors(self) -> tuple[Tensor | None, Tensor | None]:
         a_symmetric, g_symmetric = self.symmetric_factors

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 from torch.nn.parameter import UninitializedParameter
 from torch.nn.utils import parametrize
@@ -36,10 +37,10 @@ from spdkfac.curvature.block import CurvatureBlock
 from spdkfac.curvature.grouped import GroupedConvBlock
 from spdkfac.curvature.kronecker import DiagonalKroneckerBlock, KroneckerBlock
 from spdkfac.curvature.normalization import NormalizationBlock
+from spdkfac.forms import DampedInverse, InverseForm
 from spdkfac.layers import FactorOptions, adapter_for_type, lookup
 from spdkfac.layers.batchnorm import is_supported_batchnorm
 from spdkfac.layers.normalization import norm_kind
-from spdkfac.linalg import InverseMethod
 from spdkfac.types import NormalizationMode, SkipEntry, WeightSharing
 
 __all__ = [
@@ -88,7 +89,9 @@ class BlockSettings:
         normalization: Mode for every supported normalization layer (None: none).
         batchnorm: Mode for BatchNorm layers only (overrides ``normalization`` for them).
         norm_damping_multiplier: ρ of normalization blocks.
-        inverse_method: How blocks that invert locally (grouped convolutions) invert.
+        form: What Kronecker-factored blocks compute from their factors and precondition
+            with (the ``inverse_method``'s form).
+        factor_dtype: Storage dtype of Kronecker-factored blocks' running factors.
     """
 
     factor_options: FactorOptions = field(default_factory=FactorOptions)
@@ -96,7 +99,8 @@ class BlockSettings:
     normalization: NormalizationMode | None = None
     batchnorm: NormalizationMode | None = None
     norm_damping_multiplier: float = 1.0
-    inverse_method: InverseMethod = "cholesky"
+    form: InverseForm = field(default_factory=lambda: DampedInverse("cholesky"))
+    factor_dtype: torch.dtype | None = None
 
     def norm_mode(self, module: nn.Module) -> NormalizationMode | None:
         """The mode of a supported normalization layer (None: plain gradient)."""
@@ -119,7 +123,7 @@ def _kronecker(name: str, module: nn.Module, settings: BlockSettings) -> Curvatu
         return None
     adapter = adapter.with_options(settings.factor_options, weight_sharing=settings.weight_sharing)
     block_type = DiagonalKroneckerBlock if adapter.diagonal_a else KroneckerBlock
-    return block_type(name, module, adapter)
+    return block_type(name, module, adapter, form=settings.form, factor_dtype=settings.factor_dtype)
 
 
 def _grouped(name: str, module: nn.Module, settings: BlockSettings) -> CurvatureBlock | None:
@@ -127,7 +131,9 @@ def _grouped(name: str, module: nn.Module, settings: BlockSettings) -> Curvature
     if adapter is None or getattr(module, "groups", 1) == 1 or not _trainable_weight(module):
         return None
     adapter = adapter.with_options(settings.factor_options, weight_sharing=settings.weight_sharing)
-    return GroupedConvBlock(name, module, adapter, inverse_method=settings.inverse_method)
+    return GroupedConvBlock(
+        name, module, adapter, form=settings.form, factor_dtype=settings.factor_dtype
+    )
 
 
 def _normalization(name: str, module: nn.Module, settings: BlockSettings) -> CurvatureBlock | None:

@@ -27,8 +27,9 @@ from spdkfac.curvature.block import (
     Slot,
 )
 from spdkfac.curvature.state import running_average
+from spdkfac.forms import InverseForm
 from spdkfac.layers import KFACLayer
-from spdkfac.linalg import InverseMethod, InversionError, damped_inverses
+from spdkfac.linalg import InversionError
 
 __all__ = ["GroupedConvBlock"]
 
@@ -40,7 +41,9 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
         name: The module's name.
         module: The convolution.
         adapter: The ``groups = 1`` adapter of its type (its factor math per group).
-        inverse_method: How every rank inverts the damped per-group factors.
+        form: What every rank computes from the per-group factors (default: damped
+            inverses by Cholesky).
+        factor_dtype: Storage dtype of the running factors (None: :attr:`dtype`).
     """
 
     section = "layers"
@@ -51,12 +54,13 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
         module: nn.Module,
         adapter: KFACLayer,
         *,
-        inverse_method: InverseMethod = "cholesky",
+        form: InverseForm | None = None,
+        factor_dtype: torch.dtype | None = None,
     ) -> None:
         self.name = name
         self.module = module
         self.adapter = adapter
-        self.inverse_method = inverse_method
+        self._configure(form, factor_dtype)
         self.groups = int(getattr(module, "groups", 1))
         self.a_factor: Tensor | None = None
         self.g_factor: Tensor | None = None
@@ -105,20 +109,20 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
         if a_new is not None and g_new is not None:
             a_new = a_new.to(device=self.device, dtype=self.dtype).reshape(self._shapes()[0])
             g_new = g_new.to(device=self.device, dtype=self.dtype).reshape(self._shapes()[1])
-            self.a_factor = running_average(self.a_factor, a_new, decay)
-            self.g_factor = running_average(self.g_factor, g_new, decay)
+            self.a_factor = running_average(self.a_factor, self._kept(a_new), decay)
+            self.g_factor = running_average(self.g_factor, self._kept(g_new), decay)
 
     # ------------------------------------------------------------------ inverses
     def update_inverses(self, inverses: Mapping[str, Tensor], damping: float) -> None:
-        """Every group's damped inverses, on every rank; a failed group keeps the last."""
+        """Every group's results, on every rank; when one fails all keep the last."""
         if self.a_factor is None or self.g_factor is None:
             return
-        try:  # one batched call per factor kind: a depthwise layer has many groups
-            a_inverse = torch.stack(damped_inverses(self.a_factor, damping, self.inverse_method))
-            g_inverse = torch.stack(damped_inverses(self.g_factor, damping, self.inverse_method))
+        try:  # batched calls per factor kind: a depthwise layer has many groups
+            a_inverse = self.form.compute_all(self.a_factor, damping)
+            g_inverse = self.form.compute_all(self.g_factor, damping)
         except (InversionError, ValueError):
             return
-        self.a_inverse, self.g_inverse = a_inverse, g_inverse
+        self.a_inverse, self.g_inverse, self.damping = a_inverse, g_inverse, damping
 
     # ------------------------------------------------------------------ preconditioning
     def gradient(self) -> Tensor | None:
@@ -128,7 +132,7 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
         if self.a_inverse is None or self.g_inverse is None:
             return gradient
         per_group = gradient.reshape(self.groups, self.g_dim, self.a_dim)
-        result = torch.bmm(torch.bmm(self.g_inverse, per_group), self.a_inverse)
+        result = self.form.kronecker(per_group, self.a_inverse, self.g_inverse, self.damping)
         return result.reshape(gradient.shape)
 
     def set_gradient(self, matrix: Tensor) -> None:
@@ -137,4 +141,9 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
     # ------------------------------------------------------------------ state
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         a, g = self._shapes()
-        return {"a_factor": a, "g_factor": g, "a_inverse": a, "g_inverse": g}
+        return {
+            "a_factor": a,
+            "g_factor": g,
+            "a_inverse": (self.groups, *self.form.shape(self.a_dim)),
+            "g_inverse": (self.groups, *self.form.shape(self.g_dim)),
+        }

@@ -14,7 +14,8 @@ from spdkfac.curvature.block import (
     Slot,
 )
 from spdkfac.curvature.state import running_average, symmetric_running_average
-from spdkfac.layers import KFACLayer, precondition
+from spdkfac.forms import InverseForm
+from spdkfac.layers import KFACLayer
 from spdkfac.placement import FactorSpec
 
 __all__ = ["DiagonalKroneckerBlock", "KroneckerBlock"]
@@ -28,25 +29,37 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
     """A Linear or Conv2d layer's Kronecker factors A (inputs) and G (output gradients).
 
     The factor math is the adapter's (pure functions of :mod:`spdkfac.layers`); the block
-    keeps the running averages and the damped inverses, and preconditions with
-    ``V = Ĝ ∇ Â``. Both factors travel as packed triangles: A from the forward pre-hook,
-    G from the output-gradient hook; in a group their running averages stay packed (see
-    :class:`~spdkfac.curvature.block.FactorPairState`). Their inverses are placed by the
+    keeps the running averages and their inverse-form results, and preconditions with
+    them (``V = Ĝ ∇ Â`` for damped inverses; see :mod:`spdkfac.forms`). Both factors
+    travel as packed triangles: A from the forward pre-hook, G from the output-gradient
+    hook; in a group their running averages stay packed (see
+    :class:`~spdkfac.curvature.block.FactorPairState`). Their results are placed by the
     strategy.
 
     Args:
         name: The module's name.
         module: The module.
         adapter: Its factor math.
+        form: The inverse form (default: damped inverses by Cholesky).
+        factor_dtype: Storage dtype of the running factors (None: :attr:`dtype`).
     """
 
     section = "layers"
     symmetric_factors = (True, True)
 
-    def __init__(self, name: str, module: nn.Module, adapter: KFACLayer) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        adapter: KFACLayer,
+        *,
+        form: InverseForm | None = None,
+        factor_dtype: torch.dtype | None = None,
+    ) -> None:
         self.name = name
         self.module = module
         self.adapter = adapter
+        self._configure(form, factor_dtype)
         self.a_factor: Tensor | None = None
         self.g_factor: Tensor | None = None
         self.a_inverse: Tensor | None = None
@@ -95,8 +108,8 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
         # as they were, so A and G always describe the same examples.
         if a_new is not None and g_new is not None:
             a_symmetric, g_symmetric = self.symmetric_factors
-            self.a_factor = _average(a_symmetric)(self.a_factor, a_new, decay)
-            self.g_factor = _average(g_symmetric)(self.g_factor, g_new, decay)
+            self.a_factor = _average(a_symmetric)(self.a_factor, self._kept(a_new), decay)
+            self.g_factor = _average(g_symmetric)(self.g_factor, self._kept(g_new), decay)
 
     # ------------------------------------------------------------------ inverses
     def inverse_specs(self) -> tuple[FactorSpec, ...]:
@@ -120,6 +133,7 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
         # gradient until an inversion succeeds.
         self.a_inverse = inverses.get(self._a_key)
         self.g_inverse = inverses.get(self._g_key)
+        self.damping = damping
 
     # ------------------------------------------------------------------ preconditioning
     def gradient(self) -> Tensor | None:
@@ -128,15 +142,20 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
     def precondition(self, gradient: Tensor) -> Tensor:
         if self.a_inverse is None or self.g_inverse is None:
             return gradient
-        return precondition(gradient, self.a_inverse, self.g_inverse)
+        return self.form.kronecker(gradient, self.a_inverse, self.g_inverse, self.damping)
 
     def set_gradient(self, matrix: Tensor) -> None:
         self.adapter.set_gradient(self.module, matrix)
 
     # ------------------------------------------------------------------ state
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        a, g = (self.a_dim,) * 2, (self.g_dim,) * 2
-        return {"a_factor": a, "g_factor": g, "a_inverse": a, "g_inverse": g}
+        a, g = self.a_dim, self.g_dim
+        return {
+            "a_factor": (a, a),
+            "g_factor": (g, g),
+            "a_inverse": self.form.shape(a),
+            "g_inverse": self.form.shape(g),
+        }
 
 
 class DiagonalKroneckerBlock(KroneckerBlock):
@@ -180,13 +199,19 @@ class DiagonalKroneckerBlock(KroneckerBlock):
         if self.a_factor is None or self.g_factor is None:
             return
         self.g_inverse = inverses.get(self._g_key)
-        self.a_inverse = torch.reciprocal(self.a_factor + damping)
+        self.a_inverse = self.form.diagonal(self.a_factor, damping)
+        self.damping = damping
 
     def precondition(self, gradient: Tensor) -> Tensor:
         if self.a_inverse is None or self.g_inverse is None:
             return gradient
-        return (self.g_inverse @ gradient).mul_(self.a_inverse)
+        return self.form.kronecker_diagonal(gradient, self.a_inverse, self.g_inverse, self.damping)
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        a, g = (self.a_dim,), (self.g_dim,) * 2
-        return {"a_factor": a, "g_factor": g, "a_inverse": a, "g_inverse": g}
+        a, g = self.a_dim, self.g_dim
+        return {
+            "a_factor": (a,),
+            "g_factor": (g, g),
+            "a_inverse": (a,),
+            "g_inverse": self.form.shape(g),
+        }

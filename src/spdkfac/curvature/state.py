@@ -18,6 +18,7 @@ __all__ = [
     "load_blocks_state",
     "running_average",
     "symmetric_running_average",
+    "without_inverses",
 ]
 
 
@@ -108,6 +109,23 @@ def blocks_state_dict(
     result: dict[str, Any] = {"layers": sections.pop("layers")}
     if "batchnorm" in sections:
         result["batchnorm"] = {"mode": mode, "layers": sections["batchnorm"]}
+    return result
+
+
+def without_inverses(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A shallow copy of a preconditioner's state dict whose inverses are all None (as
+    saved with ``inverses=False``): loading it recomputes them."""
+
+    def strip(layers: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+        return {
+            name: {key: None if _is_inverse(key) else value for key, value in entry.items()}
+            for name, entry in layers.items()
+        }
+
+    result = {**state_dict, "layers": strip(state_dict["layers"])}
+    if state_dict.get("batchnorm") is not None:
+        batchnorm = state_dict["batchnorm"]
+        result["batchnorm"] = {**batchnorm, "layers": strip(batchnorm.get("layers", {}))}
     return result
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from spdkfac.checks import check_choice, check_int, check_number
+from spdkfac.forms import FORM_METHODS
 from spdkfac.layers.batchnorm import BATCHNORM_MODES
 from spdkfac.models import BUILTIN_MODEL_NAMES, TORCHVISION_PREFIX, ModelKind, model_kind
 from spdkfac.optional import (
@@ -111,6 +112,7 @@ class TrainConfig:
     poly_end_epoch: float | None = None
     lr_schedule_steps: int | None = None
     strategy: str = "spd-kfac"
+    inverse_method: str = "cholesky"
     damping: float = 0.1
     damping_initial: float | None = None
     damping_warmup_steps: int = 0
@@ -145,6 +147,7 @@ class TrainConfig:
         check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_choice("strategy", self.strategy, ALGORITHMS)
+        check_choice("inverse_method", self.inverse_method, FORM_METHODS)
         check_choice("batchnorm", self.batchnorm, BATCHNORM_CURVATURES)
         check_number("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
         for name in ("epochs", "batch_size", "accumulation_steps", "image_size", "seq_len",

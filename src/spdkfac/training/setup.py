@@ -228,6 +228,7 @@ def make_optimizers(
         # the schedule's lr(step) on it before every step, so the clip sees that rate.
         optimizer=optimizer,
         strategy=config.strategy,
+        inverse_method=config.inverse_method,
         accumulation_steps=config.accumulation_steps,
         batchnorm=None if config.batchnorm == "off" else config.batchnorm,
         batchnorm_damping_multiplier=config.batchnorm_damping_multiplier,
