@@ -14,14 +14,14 @@ from spdkfac.comm.fusion import FACTOR_EXCHANGES, FUSION_POLICIES, FusionInputs
 from spdkfac.costmodel import DEFAULT_COST_MODEL
 from spdkfac.layers.batchnorm import BATCHNORM_MODES
 from spdkfac.placement import PLACEMENT_POLICIES, PLACEMENTS, FactorSpec, plan_inversions
-from spdkfac.strategies import ALGORITHMS, SGD, STRATEGIES, compose
+from spdkfac.strategies import ALGORITHMS, SGD, STRATEGIES, STRATEGY_NAMES, compose
 from spdkfac.types import FactorExchangeName, NormalizationMode, PlacementName, StrategyName
 
 
 def test_option_names_and_registries_agree() -> None:
     assert get_args(FactorExchangeName) == FACTOR_EXCHANGES
     assert get_args(PlacementName) == PLACEMENTS
-    assert get_args(StrategyName) == ALGORITHMS
+    assert get_args(StrategyName) == STRATEGY_NAMES == (*ALGORITHMS, "auto")
     assert get_args(NormalizationMode) == BATCHNORM_MODES
     assert all(name == policy.name for name, policy in FUSION_POLICIES.items())
     assert all(name == policy.name for name, policy in PLACEMENT_POLICIES.items())

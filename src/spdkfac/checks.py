@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+import re
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, cast
 
-__all__ = ["check_choice", "check_int", "check_number"]
+from torch import nn
+
+from spdkfac.types import SkipEntry
+
+__all__ = [
+    "check_candidates",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "check_skip_layers",
+]
 
 
 def check_number(
@@ -51,3 +63,39 @@ def check_choice(name: str, value: object, choices: Collection[object]) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_candidates(value: object, table: Mapping[str, Any]) -> None:
+    """``auto_candidates``: a non-empty tuple of K-FAC rows of the strategy ``table``."""
+    candidates = (value,) if isinstance(value, str) else value
+    if not isinstance(candidates, tuple) or not candidates:
+        raise ValueError(f"auto_candidates must be a non-empty tuple of names, got {value!r}")
+    for name in candidates:
+        if name not in table or table[name].base is None:
+            raise ValueError(
+                f"auto_candidates entry {name!r} is not a K-FAC row of the strategy table "
+                f"({sorted(k for k, row in table.items() if row.base is not None)})"
+            )
+
+
+def check_skip_layers(value: object) -> tuple[SkipEntry, ...]:
+    """``skip_layers``: a sequence of module names, regular expressions or module types."""
+    if isinstance(value, (str, type)):
+        raise ValueError(f"skip_layers must be a sequence of names or types, got {value!r}")
+    try:
+        entries = tuple(cast(Iterable[object], value))
+    except TypeError:
+        raise ValueError(f"skip_layers must be a sequence, got {value!r}") from None
+    for entry in entries:
+        if not isinstance(entry, str) and not (
+            isinstance(entry, type) and issubclass(entry, nn.Module)
+        ):
+            raise ValueError(
+                f"skip_layers entries must be module names or nn.Module types, got {entry!r}"
+            )
+        if isinstance(entry, str) and entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as error:
+                raise ValueError(f"skip_layers entry {entry!r} is not a regex: {error}") from None
+    return cast(tuple[SkipEntry, ...], entries)

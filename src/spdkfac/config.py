@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any, cast, get_args
+from typing import Any, get_args
 
 import torch
-from torch import nn
 
-from spdkfac.checks import check_choice, check_int, check_number
+from spdkfac.checks import (
+    check_candidates,
+    check_choice,
+    check_int,
+    check_number,
+    check_skip_layers,
+)
 from spdkfac.costmodel import CostModel
 from spdkfac.curvature.discovery import BlockSettings
 from spdkfac.forms import FORM_METHODS, FormMethod, InverseForm, inverse_form
 from spdkfac.layers import FactorOptions
-from spdkfac.strategies import STRATEGIES, Strategy
+from spdkfac.strategies import AUTO_CANDIDATES, STRATEGIES, Strategy
 from spdkfac.types import (
     FactorExchangeName,
     FloatSchedule,
@@ -76,28 +80,6 @@ def resolve_interval(name: str, schedule: IntSchedule, step: int) -> int:
         raise
 
 
-def _check_skip_layers(value: object) -> tuple[SkipEntry, ...]:
-    if isinstance(value, (str, type)):
-        raise ValueError(f"skip_layers must be a sequence of names or types, got {value!r}")
-    try:
-        entries = tuple(cast(Iterable[object], value))
-    except TypeError:
-        raise ValueError(f"skip_layers must be a sequence, got {value!r}") from None
-    for entry in entries:
-        if not isinstance(entry, str) and not (
-            isinstance(entry, type) and issubclass(entry, nn.Module)
-        ):
-            raise ValueError(
-                f"skip_layers entries must be module names or nn.Module types, got {entry!r}"
-            )
-        if isinstance(entry, str) and entry.startswith("re:"):
-            try:
-                re.compile(entry[3:])
-            except re.error as error:
-                raise ValueError(f"skip_layers entry {entry!r} is not a regex: {error}") from None
-    return cast(tuple[SkipEntry, ...], entries)
-
-
 @dataclass(frozen=True, kw_only=True)
 class KFACConfig:
     """Options of :class:`~spdkfac.KFACPreconditioner`; validated on construction.
@@ -132,7 +114,14 @@ class KFACConfig:
             (names the regular expression matches whole), class names (``"Embedding"``)
             or module types.
         strategy: ``"spd-kfac"`` (default), ``"mpd-kfac"``, ``"d-kfac"`` or ``"osawa"``: a
-            row of :data:`spdkfac.strategies.STRATEGIES`.
+            row of :data:`spdkfac.strategies.STRATEGIES`; or ``"auto"``: the fastest of
+            ``auto_candidates``, measured during the first refresh cycles
+            (:mod:`spdkfac.autotune`; not with the ``placement`` / ``factor_exchange``
+            overrides).
+        auto_candidates: The rows of :data:`~spdkfac.strategies.STRATEGIES` ``"auto"``
+            tries, in order.
+        auto_trial_steps: Fewest timed steps per candidate (rounded up to whole refresh
+            cycles).
         placement: Overrides the strategy's inverse placement (``"replicated"``,
             ``"round-robin"``, ``"balanced"`` or ``"layer-owners"``; ``"osawa"`` needs
             the last); None keeps the strategy's.
@@ -175,6 +164,8 @@ class KFACConfig:
     factor_dtype: torch.dtype | None = None
     skip_layers: tuple[SkipEntry, ...] = field(default=())
     strategy: StrategyName = "spd-kfac"
+    auto_candidates: tuple[str, ...] = AUTO_CANDIDATES
+    auto_trial_steps: int = 5
     placement: PlacementName | None = None
     factor_options: FactorOptions = field(default_factory=FactorOptions)
     factor_exchange: FactorExchangeName | None = None
@@ -204,8 +195,10 @@ class KFACConfig:
         check_choice("inverse_method", self.inverse_method, FORM_METHODS)
         check_choice("inverse_dtype", self.inverse_dtype, _DTYPES)
         check_choice("factor_dtype", self.factor_dtype, _DTYPES)
-        object.__setattr__(self, "skip_layers", _check_skip_layers(self.skip_layers))
+        object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers))
         check_choice("strategy", self.strategy, get_args(StrategyName))
+        check_candidates(self.auto_candidates, STRATEGIES)
+        check_int("auto_trial_steps", self.auto_trial_steps)
         if not isinstance(self.factor_options, FactorOptions):
             raise ValueError(f"factor_options must be a FactorOptions, got {self.factor_options!r}")
         if self.factor_exchange is not None:
@@ -233,7 +226,17 @@ class KFACConfig:
 
     @property
     def composition(self) -> Strategy:
-        """The strategy row in effect: ``strategy`` with the overrides applied."""
+        """The strategy row in effect: ``strategy`` with the overrides applied (for
+        ``"auto"``: its first candidate, the one it starts with)."""
+        if self.strategy == "auto":
+            overrides = {"factor_exchange": self.factor_exchange, "placement": self.placement}
+            given = {name: value for name, value in overrides.items() if value is not None}
+            if given:
+                raise ValueError(
+                    f"strategy='auto' chooses the factor exchange and the placement itself: "
+                    f"remove {given}, or name a strategy"
+                )
+            return STRATEGIES[self.auto_candidates[0]]
         return STRATEGIES[self.strategy].with_overrides(
             factor_exchange=self.factor_exchange, placement=self.placement
         )
@@ -308,6 +311,13 @@ class KFACConfig:
         if self.kl_clip is None:
             return None
         return resolve_float("kl_clip", self.kl_clip, step, allow_zero=False)
+
+    def intervals_at(self, step: int) -> tuple[int, int]:
+        """The factor and inverse refresh intervals at ``step``."""
+        return (
+            resolve_interval("factor_update_steps", self.factor_update_steps, step),
+            resolve_interval("inv_update_steps", self.inv_update_steps, step),
+        )
 
     def is_factor_step(self, step: int) -> bool:
         """Whether factors are updated at ``step``."""

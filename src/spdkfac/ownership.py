@@ -25,14 +25,26 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from spdkfac.comm import Communicator
-from spdkfac.comm.ddp_hooks import BucketLaunches, owner_reduce_hook
+from spdkfac.comm.ddp_hooks import (
+    BucketLaunches,
+    DDPCommHook,
+    SwitchableHook,
+    owner_reduce_hook,
+)
 from spdkfac.comm.owners import EVERYONE, gather_from_owners, reduce_to_owners
 from spdkfac.curvature import CurvatureBlock
 from spdkfac.placement import EVERY_RANK, Plan
 from spdkfac.profiling import Phase, Profiler, span_name
 from spdkfac.update import all_finite, block_gradients, clip_from_sum, clip_terms
 
-__all__ = ["OwnerUpdate", "block_owners", "drop_unowned", "find_ddp", "gather_states"]
+__all__ = [
+    "OwnerUpdate",
+    "block_owners",
+    "drop_unowned",
+    "find_ddp",
+    "gather_states",
+    "register_ddp_hook",
+]
 
 
 def block_owners(blocks: Sequence[CurvatureBlock], plan: Plan) -> dict[str, int]:
@@ -61,6 +73,22 @@ def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
     return inner if isinstance(inner, DistributedDataParallel) else None
 
 
+def register_ddp_hook(ddp: DistributedDataParallel, hook: DDPCommHook) -> None:
+    """Register the preconditioner's communication hook on a DDP model.
+
+    Raises:
+        ValueError: The model already has one (DDP takes a single hook).
+    """
+    try:
+        ddp.register_comm_hook(None, hook)
+    except RuntimeError as error:
+        raise ValueError(
+            "strategy: the owner-computes exchange replaces DDP's gradient all-reduce with "
+            "its own communication hook, and this DistributedDataParallel model cannot "
+            f"take it ({error})"
+        ) from error
+
+
 class OwnerUpdate:
     """Gradients to owners, owners precondition, all-gather (see the module docstring).
 
@@ -70,6 +98,8 @@ class OwnerUpdate:
         plan: Owners of the placed factors.
         communicator: The group.
         profiler: Where spans are recorded.
+        hooks: A hook already registered on the DDP model to route the gradient
+            communication through (``strategy="auto"``), instead of registering one.
 
     Raises:
         ValueError: When the placement splits a layer, or the DDP model already has a
@@ -83,6 +113,7 @@ class OwnerUpdate:
         plan: Plan,
         communicator: Communicator,
         profiler: Profiler,
+        hooks: SwitchableHook | None = None,
     ) -> None:
         self._blocks = blocks
         self._communicator = communicator
@@ -106,19 +137,13 @@ class OwnerUpdate:
         self.reduces_in_step = ddp is None or communicator.world_size == 1
         #: Launch times of the DDP hook's buckets (None when gradients reduce at the step).
         self.launches: BucketLaunches | None = None
-        if not self.reduces_in_step:
+        if not self.reduces_in_step and hooks is not None:
+            self.launches = hooks.launches
+            hooks.use(owner_reduce_hook(communicator, param_owner, self.launches))
+        elif not self.reduces_in_step:
             assert ddp is not None
             self.launches = BucketLaunches()
-            try:
-                ddp.register_comm_hook(
-                    None, owner_reduce_hook(communicator, param_owner, self.launches)
-                )
-            except RuntimeError as error:
-                raise ValueError(
-                    "strategy: the owner-computes exchange replaces DDP's gradient "
-                    "all-reduce with its own communication hook, and this "
-                    f"DistributedDataParallel model cannot take it ({error})"
-                ) from error
+            register_ddp_hook(ddp, owner_reduce_hook(communicator, param_owner, self.launches))
 
     def _mine(self, block: CurvatureBlock) -> bool:
         return self.owner_of[block.name] in (EVERYONE, self._communicator.rank)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
-from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -11,6 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from spdkfac.agreement import discover_agreed_blocks, shared_cost_model
+from spdkfac.assembly import assemble, routing_hook
+from spdkfac.autotune import AutoChoice, AutoTuner
 from spdkfac.comm import BucketLaunches, Communicator, make_communicator
 from spdkfac.comm.fusion import FusionPlan
 from spdkfac.config import (
@@ -21,27 +24,20 @@ from spdkfac.config import (
 )
 from spdkfac.costmodel import CostModel
 from spdkfac.curvature import (
-    CurvatureBlock,
-    FactorCollector,
-    blocks_memory,
-    blocks_state_dict,
-    load_blocks_state,
     unwrap_model,
-    without_inverses,
 )
-from spdkfac.inversion import InversePhase
-from spdkfac.ownership import OwnerUpdate, drop_unowned, gather_states
 from spdkfac.placement import Plan
 from spdkfac.profiling import Phase, Profiler, span_name
-from spdkfac.update import GradientGuard, LearningRates, ReplicatedUpdate, warn_uncaptured
+from spdkfac.snapshot import Snapshots
+from spdkfac.update import GradientGuard, LearningRates, warn_uncaptured
 
 __all__ = ["KFACPreconditioner"]
 
-_STATE_FORMAT = 1
+_LOG = logging.getLogger("spdkfac")
 _OPTIONS = frozenset(option.name for option in fields(KFACConfig))
 
 
-class KFACPreconditioner:
+class KFACPreconditioner(Snapshots):
     """K-FAC preconditioner of a model's layers, plain or data parallel.
 
     Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``: it replaces
@@ -117,57 +113,40 @@ class KFACPreconditioner:
         self._stale_inverses = False  # a state dict without inverses was loaded
         self._step = 0
         self._skipped_steps = 0
-        composition = self.config.composition
-        assert composition.fusion is not None and composition.placement_policy is not None
         costs = shared_cost_model(self._communicator, cost_model)
-        specs = [spec for block in self._blocks for spec in block.inverse_specs()]
-        plan = composition.placement_policy.plan(specs, self._communicator.world_size, costs)
-        owners = composition.owner_computes
-        self._update: ReplicatedUpdate | OwnerUpdate = (
-            OwnerUpdate(model, self._blocks, plan, self._communicator, self.profiler)
-            if owners
-            else ReplicatedUpdate(self._blocks, self._communicator, self.profiler)
-        )
-        self._inverses = InversePhase(
-            plan,
-            self._communicator,
-            self.config.inverse_form,
-            min_group_elements=costs.broadcast_group_elements()
-            if composition.fuse_broadcasts
-            else 0,
-            owners_keep=owners,
-            max_failures=self.config.max_inverse_failures,
-            profiler=self.profiler,
-        )
-        self._collector = FactorCollector(
-            self._blocks,
-            self._communicator,
-            composition.fusion,
+        self._auto = AutoTuner.of(self.config, self._communicator)
+        self._hooks = routing_hook(model, self._auto)
+        self._assemble = functools.partial(
+            assemble,
+            model=model,
+            blocks=self._blocks,
+            communicator=self._communicator,
+            costs=costs,
             enabled=lambda: self.config.is_factor_step(self._step),
-            allreduce=costs.allreduce,
-            accumulation_steps=self.config.accumulation_steps,
-            bucket_cap_bytes=int(self.config.bucket_cap_mb * 2**20),
-            fusion_warmup_steps=self.config.fusion_warmup_steps,
-            comm_dtype=self.config.factor_comm_dtype,
-            owners=plan.owner_by_key if owners else None,
             grad_scale=None if grad_scaler is None else lambda: float(grad_scaler.get_scale()),
             profiler=self.profiler,
+            hooks=self._hooks,
         )
+        start = self._auto.current if self._auto else self.config.composition
+        self._use(self._assemble(start, config=self.config))
 
     # ------------------------------------------------------------------ introspection
-    def _section(self, section: str) -> dict[str, CurvatureBlock]:
-        return {block.name: block for block in self._blocks if block.section == section}
-
     @property
     def layers(self) -> list[str]:
         """Kronecker-factored module names in forward order (definition order until seen)."""
         seen = self._seen_layers()
         return seen + [name for name in self._section("layers") if name not in seen]
 
-    def _seen_layers(self) -> list[str]:
-        """Kronecker-factored module names captured so far, in forward order."""
-        registered = self._section("layers")
-        return [name for name in self._collector.forward_order if name in registered]
+    @property
+    def strategy_choice(self) -> AutoChoice | None:
+        """What ``strategy="auto"`` measured and chose (None before it decides, and for a
+        named strategy); :meth:`~spdkfac.autotune.AutoChoice.describe` explains it."""
+        return None if self._auto is None else self._auto.choice
+
+    @property
+    def composition(self) -> str:
+        """Name of the composition in use (the row ``auto`` is trying or chose)."""
+        return self._stages.composition.name
 
     @property
     def plan(self) -> Plan:
@@ -177,7 +156,10 @@ class KFACPreconditioner:
     @property
     def gradient_launches(self) -> BucketLaunches | None:
         """Launch times of DDP's gradient buckets when the preconditioner owns their
-        communication (``strategy="osawa"`` under DDP), for profiling; else None."""
+        communication (``strategy="osawa"``, or ``"auto"`` trying it, under DDP), for
+        profiling; else None."""
+        if self._hooks is not None:
+            return self._hooks.launches
         return getattr(self._update, "launches", None)
 
     @property
@@ -255,21 +237,50 @@ class KFACPreconditioner:
         with self.profiler.span(span_name(Phase.STEP)):
             step = self._step
             self._step += 1
-            self._collector.new_step()
-            gradients, usable = self._update.collect()
-            if self.config.is_factor_step(step):
-                usable = self._update_factors(local_ok=usable) and usable
-            else:
-                usable = self._update.agree(usable)
-            if self.config.is_inverse_step(step) or self._stale_inverses:
-                self._stale_inverses = False
-                self._inverses.run(self._blocks, self.config.damping_at(step))
-            kl_clip = self.config.kl_clip_at(step)
-            rates = self._rates.at(self.config, step)
-            if not self._update.apply(gradients, rates, kl_clip, usable):
-                return self._skip()
-            self._guard.record()
-            return True
+            applied = self._precondition(step)
+        if self._auto is not None and not self._auto.decided:
+            self._tune(step)
+        return applied
+
+    def _precondition(self, step: int) -> bool:
+        self._collector.new_step()
+        gradients, usable = self._update.collect()
+        if self.config.is_factor_step(step):
+            usable = self._update_factors(local_ok=usable) and usable
+        else:
+            usable = self._update.agree(usable)
+        if self.config.is_inverse_step(step) or self._stale_inverses:
+            self._stale_inverses = False
+            self._inverses.run(self._blocks, self.config.damping_at(step))
+        kl_clip = self.config.kl_clip_at(step)
+        rates = self._rates.at(self.config, step)
+        if not self._update.apply(gradients, rates, kl_clip, usable):
+            return self._skip()
+        self._guard.record()
+        return True
+
+    def _tune(self, step: int) -> None:
+        """``strategy="auto"``: time the step; switch compositions where the trials say."""
+        assert self._auto is not None
+        factor_interval, inverse_interval = self.config.intervals_at(step)
+        following = self._auto.after_step(
+            step,
+            kind="inverse"
+            if self.config.is_inverse_step(step)
+            else "factor"
+            if self.config.is_factor_step(step)
+            else "plain",
+            settled=self._collector.fusion_settled,
+            factor_interval=factor_interval,
+            inverse_interval=inverse_interval,
+        )
+        if following is not None and following.name != self.composition:
+            self._switch(following)
+        if self._auto.wants_probe(inverse_interval):
+            self._auto.probe(lambda: self._discarded_inverse_phase(self.config.damping_at(step)))
+        if self._auto.choice is not None and self._communicator.rank == 0:
+            _LOG.info("%s", self._auto.choice.describe())
+        self._auto.started()
 
     def _update_factors(self, *, local_ok: bool) -> bool:
         """Exchange this step's statistics and fold them into the running averages.
@@ -314,56 +325,19 @@ class KFACPreconditioner:
             )
         super().__setattr__(name, value)
 
-    # ------------------------------------------------------------------ state
-    def state_dict(self, *, inverses: bool = True) -> dict[str, Any]:
-        """Factors, inverses and counters, as a dict of copies (safe to ``torch.save``).
-
-        The state dict holds every layer's factors and inverses, so any rank's resumes any
-        world size. With ``strategy="osawa"`` only a layer's owner holds them: then
-        ``state_dict()`` gathers them from the owners and must be called on every rank
-        (a collective). ``inverses=False`` leaves the inverses out (about half the
-        size): loading it recomputes them, with the current damping, at the next step.
-        """
-        states = None
-        if isinstance(self._update, OwnerUpdate) and self._communicator.world_size > 1:
-            states = gather_states(self._blocks, self._update.owner_of, self._communicator)
-        return {
-            "format": _STATE_FORMAT,
-            "steps": self._step,
-            "skipped_steps": self._skipped_steps,
-            "forward_order": self._seen_layers(),
-            "inverse_form": self.config.inverse_form.kind,
-            **blocks_state_dict(
-                self._blocks, self.config.norm_mode, inverses=inverses, states=states
-            ),
-        }
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes of the factors and of the inverses this rank holds (live tensors)."""
-        return blocks_memory(self._blocks)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; the layers must match exactly.
+    def retune(self) -> None:
+        """``strategy="auto"``: run the trials again from the next step (e.g. after the
+        machine's load changed). Call it on every rank at the same step (a collective).
 
         Raises:
-            ValueError: When the format, the registered layers or a factor shape differ.
+            ValueError: When the strategy is not ``"auto"``.
         """
-        if state_dict.get("format") != _STATE_FORMAT:
-            raise ValueError(
-                f"state_dict format {state_dict.get('format')!r} is not {_STATE_FORMAT}"
-            )
-        if state_dict.get("inverse_form", "inverse") != self.config.inverse_form.kind:
-            state_dict = without_inverses(state_dict)  # recomputed at the next step
-        self._stale_inverses = load_blocks_state(self._blocks, state_dict, self.config.norm_mode)
-        if isinstance(self._update, OwnerUpdate):  # owners were planned for this world size
-            drop_unowned(self._blocks, self._update.owner_of, self._communicator.rank)
-        self._collector.clear()
-        self._step = int(state_dict["steps"])
-        self._skipped_steps = int(state_dict.get("skipped_steps", 0))
-        registered = self._section("layers")
-        self._collector.forward_order[:] = [
-            name for name in state_dict.get("forward_order", []) if name in registered
-        ]
+        if self._auto is None:
+            raise ValueError(f"retune() needs strategy='auto', not {self.config.strategy!r}")
+        self._auto = AutoTuner.of(self.config, self._communicator)
+        assert self._auto is not None
+        if self._auto.current.name != self.composition:
+            self._switch(self._auto.current)
 
     def remove(self) -> None:
         """Remove every hook this preconditioner installed; the model is left as it was."""

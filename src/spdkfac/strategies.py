@@ -19,7 +19,15 @@ from types import MappingProxyType
 from spdkfac.comm.fusion import FUSION_POLICIES, FusionPolicy
 from spdkfac.placement import PLACEMENT_POLICIES, PlacementPolicy
 
-__all__ = ["ALGORITHMS", "SGD", "STRATEGIES", "Strategy", "compose"]
+__all__ = [
+    "ALGORITHMS",
+    "AUTO_CANDIDATES",
+    "SGD",
+    "STRATEGIES",
+    "STRATEGY_NAMES",
+    "Strategy",
+    "compose",
+]
 
 
 @dataclass(frozen=True)
@@ -210,3 +218,8 @@ STRATEGIES: Mapping[str, Strategy] = MappingProxyType(
         },
     }
 )
+
+#: The rows ``strategy="auto"`` tries by default, in trial order (:mod:`spdkfac.autotune`).
+AUTO_CANDIDATES: tuple[str, ...] = ("d-kfac", "spd-kfac", "osawa", "osawa-pipelined", "mpd-kfac")
+#: Values of ``strategy=``: the algorithms, and ``"auto"`` (the fastest of its candidates).
+STRATEGY_NAMES: tuple[str, ...] = (*ALGORITHMS, "auto")

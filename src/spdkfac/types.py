@@ -29,8 +29,8 @@ IntSchedule = int | Callable[[int], int]
 SkipEntry = str | type[nn.Module]
 
 #: Names ``strategy=`` accepts (rows of :data:`spdkfac.strategies.STRATEGIES` that are
-#: algorithms; the ablations are reached with the overrides below).
-StrategyName = Literal["d-kfac", "mpd-kfac", "spd-kfac", "osawa"]
+#: algorithms, the ablations being reached with the overrides below; or ``"auto"``).
+StrategyName = Literal["d-kfac", "mpd-kfac", "spd-kfac", "osawa", "auto"]
 #: Fusion policies (:data:`spdkfac.comm.fusion.FUSION_POLICIES`).
 FactorExchangeName = Literal["after-backward", "layerwise", "threshold", "optimal"]
 #: Placement policies (:data:`spdkfac.placement.PLACEMENT_POLICIES`).

@@ -20,7 +20,7 @@ from spdkfac.comm import Communicator, destroy_distributed, init_distributed
 from spdkfac.data import DEFAULT_FASHION_MNIST_DIR, load_fashion_mnist
 from spdkfac.models import MODEL_NAMES, build_model
 from spdkfac.preconditioner import KFACPreconditioner
-from spdkfac.strategies import ALGORITHMS
+from spdkfac.strategies import STRATEGY_NAMES
 from spdkfac.training.loop import cross_entropy_pass, train_step
 from spdkfac.training.progress import ProgressBar
 
@@ -60,7 +60,7 @@ def add_parser(verbs: Any) -> None:
     parser.add_argument("--epochs", type=positive_int, default=2, help="epochs per optimizer")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="batch size per worker")
     parser.add_argument(
-        "--strategy", choices=ALGORITHMS, default="spd-kfac", help="distributed K-FAC"
+        "--strategy", choices=STRATEGY_NAMES, default="spd-kfac", help="distributed K-FAC"
     )
     parser.add_argument("--sgd-lr", type=positive_float, default=0.05, help="SGD learning rate")
     parser.add_argument(

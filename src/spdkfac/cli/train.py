@@ -9,7 +9,7 @@ from typing import Any
 
 from spdkfac.forms import FORM_METHODS
 from spdkfac.models import TORCHVISION_PREFIX, torchvision_builder
-from spdkfac.strategies import ALGORITHMS
+from spdkfac.strategies import STRATEGY_NAMES
 from spdkfac.training.config import (
     BATCHNORM_CURVATURES,
     DATASETS,
@@ -121,7 +121,7 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     "dataset": {"type": str, "choices": DATASETS},
     "optimizer": {"type": str, "choices": tuple(OPTIMIZERS)},
     "lr_schedule": {"type": str, "choices": LR_SCHEDULES},
-    "strategy": {"type": str, "choices": ALGORITHMS},
+    "strategy": {"type": str, "choices": STRATEGY_NAMES},
     "inverse_method": {"type": str, "choices": FORM_METHODS},
     "batchnorm": {"type": str, "choices": BATCHNORM_CURVATURES},
     "milestones": {"type": float, "nargs": "*"},

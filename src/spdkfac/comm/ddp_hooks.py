@@ -15,7 +15,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from spdkfac.comm.base import Communicator
 from spdkfac.comm.owners import EVERYONE, reduce_to_owners
 
-__all__ = ["BucketLaunches", "DDPCommHook", "owner_reduce_hook", "timed_allreduce_hook"]
+__all__ = [
+    "BucketLaunches",
+    "DDPCommHook",
+    "SwitchableHook",
+    "owner_reduce_hook",
+    "timed_allreduce_hook",
+]
 
 #: The contract of ``DistributedDataParallel.register_comm_hook``.
 DDPCommHook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
@@ -99,3 +105,31 @@ def owner_reduce_hook(
         return done.then(lambda _done: buffer)
 
     return hook
+
+
+class SwitchableHook:
+    """One hook registered once whose behaviour can change between iterations (DDP takes
+    a single communication hook per model): DDP's default all-reduce, or the hook given to
+    :meth:`use` (``strategy="auto"`` trying an owner-computes composition). Records bucket
+    launches in :attr:`launches` either way.
+    """
+
+    def __init__(self) -> None:
+        self.launches = BucketLaunches()
+        self._hook: DDPCommHook | None = None
+
+        def switchable_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+            return self(state, bucket)
+
+        #: The function to register (DDP wants a named function).
+        self.function: DDPCommHook = switchable_hook
+
+    def use(self, hook: DDPCommHook | None) -> None:
+        """Use ``hook`` from the next bucket on (None: DDP's all-reduce)."""
+        self._hook = hook
+
+    def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if self._hook is not None:
+            return self._hook(state, bucket)
+        self.launches(bucket.index(), time.perf_counter())
+        return allreduce_hook(state, bucket)

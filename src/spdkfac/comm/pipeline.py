@@ -101,6 +101,11 @@ class FactorPipeline:
         """The fusion plan in use."""
         return self._exchange.plan
 
+    @property
+    def settled(self) -> bool:
+        """Whether :attr:`plan` is final: a measured policy has planned from measurements."""
+        return not self._policy.measured or self._factor_steps >= self._warmup_steps
+
     def hand_over(self, key: str, factor: torch.Tensor, weight: float) -> bool:
         """Give the exchange this rank's final factor for ``key`` (from a hook).
 
@@ -210,6 +215,8 @@ class LocalFactorExchange:
     """
 
     pipelined = False
+    #: Nothing to plan.
+    settled = True
 
     def __init__(self) -> None:
         self._factors: dict[str, Tensor | None] = {}

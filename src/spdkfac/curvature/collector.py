@@ -144,6 +144,11 @@ class FactorCollector:
         """The factor buckets in use (None with a single rank: nothing is exchanged)."""
         return self._exchange.plan
 
+    @property
+    def fusion_settled(self) -> bool:
+        """Whether the fusion plan is final (a measured one has planned; replicated)."""
+        return self._exchange.settled
+
     def request_replan(self) -> None:
         """Re-plan a measured fusion after the next factor step (call on every rank)."""
         self._exchange.request_replan()

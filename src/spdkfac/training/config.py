@@ -18,7 +18,7 @@ from spdkfac.optional import (
     require,
     unavailable_reason,
 )
-from spdkfac.strategies import ALGORITHMS
+from spdkfac.strategies import STRATEGY_NAMES
 
 __all__ = [
     "BATCHNORM_CURVATURES",
@@ -146,7 +146,7 @@ class TrainConfig:
         check_choice("dataset", self.dataset, DATASETS)
         check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        check_choice("strategy", self.strategy, ALGORITHMS)
+        check_choice("strategy", self.strategy, STRATEGY_NAMES)
         check_choice("inverse_method", self.inverse_method, FORM_METHODS)
         check_choice("batchnorm", self.batchnorm, BATCHNORM_CURVATURES)
         check_number("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)

@@ -1,0 +1,117 @@
+"""The stages of a preconditioner that depend on its composition (a strategy row): the
+factor collector (fusion policy), the inverse phase (placement) and the last stage
+(replicated or owner-computes). ``strategy="auto"`` assembles them again for each
+candidate it tries."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from spdkfac.autotune import AutoTuner
+from spdkfac.comm import Communicator
+from spdkfac.comm.ddp_hooks import SwitchableHook
+from spdkfac.config import KFACConfig
+from spdkfac.costmodel import CostModel
+from spdkfac.curvature import CurvatureBlock, FactorCollector
+from spdkfac.inversion import InversePhase
+from spdkfac.ownership import OwnerUpdate, find_ddp, register_ddp_hook
+from spdkfac.profiling import Profiler
+from spdkfac.strategies import Strategy
+from spdkfac.update import ReplicatedUpdate
+
+__all__ = ["Stages", "assemble", "routing_hook"]
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The composition-dependent stages of one preconditioner."""
+
+    composition: Strategy
+    update: ReplicatedUpdate | OwnerUpdate
+    inverses: InversePhase
+    collector: FactorCollector
+
+
+def assemble(
+    composition: Strategy,
+    *,
+    model: nn.Module,
+    blocks: Sequence[CurvatureBlock],
+    communicator: Communicator,
+    config: KFACConfig,
+    costs: CostModel,
+    enabled: Callable[[], bool],
+    grad_scale: Callable[[], float] | None,
+    profiler: Profiler,
+    hooks: SwitchableHook | None = None,
+) -> Stages:
+    """Plan the placement and build the stages of ``composition`` (a collective only
+    where its policies are: a pipelined fusion creates a process group).
+
+    Args:
+        composition: The strategy row.
+        model: The model as the user passed it (a DDP wrapper may get a hook).
+        blocks: The curvature blocks, in the same order on every rank.
+        communicator: The group.
+        config: The options.
+        costs: The cost model the placement and the fusion plan with.
+        enabled: Whether this step's passes are captured.
+        grad_scale: The loss scale of a ``GradScaler`` (None without one).
+        profiler: Where spans are recorded.
+        hooks: The DDP hook registered once by ``strategy="auto"`` (None otherwise).
+    """
+    assert composition.fusion is not None and composition.placement_policy is not None
+    specs = [spec for block in blocks for spec in block.inverse_specs()]
+    plan = composition.placement_policy.plan(specs, communicator.world_size, costs)
+    owners = composition.owner_computes
+    if hooks is not None:
+        hooks.use(None)  # DDP's all-reduce unless the owner update routes it
+    update: ReplicatedUpdate | OwnerUpdate = (
+        OwnerUpdate(model, blocks, plan, communicator, profiler, hooks)
+        if owners
+        else ReplicatedUpdate(blocks, communicator, profiler)
+    )
+    inverses = InversePhase(
+        plan,
+        communicator,
+        config.inverse_form,
+        min_group_elements=costs.broadcast_group_elements() if composition.fuse_broadcasts else 0,
+        owners_keep=owners,
+        max_failures=config.max_inverse_failures,
+        profiler=profiler,
+    )
+    collector = FactorCollector(
+        blocks,
+        communicator,
+        composition.fusion,
+        enabled=enabled,
+        allreduce=costs.allreduce,
+        accumulation_steps=config.accumulation_steps,
+        bucket_cap_bytes=int(config.bucket_cap_mb * 2**20),
+        fusion_warmup_steps=config.fusion_warmup_steps,
+        comm_dtype=config.factor_comm_dtype,
+        owners=plan.owner_by_key if owners else None,
+        grad_scale=grad_scale,
+        profiler=profiler,
+    )
+    return Stages(composition, update, inverses, collector)
+
+
+def routing_hook(model: nn.Module, auto: AutoTuner | None) -> SwitchableHook | None:
+    """The DDP hook ``strategy="auto"`` registers once when it will try an owner-computes
+    candidate under DDP (DDP takes one hook per model); None otherwise.
+
+    Raises:
+        ValueError: The DDP model already has a hook.
+    """
+    ddp = find_ddp(model)
+    if auto is None or auto.decided or ddp is None:
+        return None
+    if not any(candidate.owner_computes for candidate in auto.candidates):
+        return None
+    hooks = SwitchableHook()
+    register_ddp_hook(ddp, hooks.function)
+    return hooks

@@ -1,0 +1,127 @@
+"""``strategy="auto"``: ranks agree on one candidate whatever their clocks say, training
+matches the chosen composition run from the start, and a resume keeps (or, on another world
+size, re-runs) the choice."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distributed_helper import run_distributed
+from spdkfac import KFACPreconditioner
+
+CANDIDATES = ("d-kfac", "spd-kfac", "osawa")
+#: Seconds per iteration each rank's fake clock reports for each candidate: alone, rank 0
+#: would pick d-kfac and rank 1 spd-kfac; the slowest rank's times make it osawa.
+SKEWED = {0: (1.0, 5.0, 2.0), 1: (5.0, 1.0, 2.0), 2: (2.0, 2.0, 2.0)}
+STEPS = 16
+BATCH = 12
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(48, 6),
+        nn.Tanh(),
+        nn.Linear(6, 3),
+    ).double()
+
+
+def _options(strategy: str) -> dict[str, object]:
+    return {
+        "strategy": strategy,
+        "auto_candidates": CANDIDATES,
+        "auto_trial_steps": 2,
+        "fusion_warmup_steps": 2,
+        "damping": 0.05,
+        "kl_clip": None,
+        "lr": 0.1,
+    }
+
+
+def _train(strategy: str, rank: int, world_size: int, clock_skew: bool = False):
+    model = DistributedDataParallel(_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    precond = KFACPreconditioner(model, **_options(strategy))  # type: ignore[arg-type]
+    if clock_skew:
+        auto = precond._auto  # the tuner's clock: a test may skew it per rank
+        assert auto is not None
+        ticks = itertools.count()
+        now = [0.0]
+
+        def clock() -> float:
+            index = CANDIDATES.index(precond.composition)
+            now[0] += SKEWED[rank][index] if next(ticks) % 2 else 0.0
+            return now[0]
+
+        auto._clock = clock
+    share = BATCH // world_size
+    compositions = []
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(step)
+        inputs = torch.randn(BATCH, 2, 4, 4, generator=generator, dtype=torch.float64)
+        targets = torch.randint(0, 3, (BATCH,), generator=generator)
+        part = slice(rank * share, (rank + 1) * share)
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs[part]), targets[part]).backward()
+        assert precond.step()
+        optimizer.step()
+        compositions.append(precond.composition)
+    params = {name: p.detach().clone() for name, p in model.module.named_parameters()}
+    return precond, params, compositions
+
+
+def _worker(rank: int, world_size: int, saved: dict | None) -> dict[str, object]:
+    out: dict[str, object] = {}
+    auto, params, compositions = _train("auto", rank, world_size)
+    choice = auto.strategy_choice
+    assert choice is not None
+    out["chosen"], out["compositions"] = choice.chosen, compositions
+    out["describe"] = choice.describe()
+    _, fixed, _ = _train(choice.chosen, rank, world_size)
+    out["params"], out["fixed"] = params, fixed
+    skewed, _, _ = _train("auto", rank, world_size, clock_skew=True)
+    assert skewed.strategy_choice is not None
+    out["skewed"] = skewed.strategy_choice.chosen
+    out["state"] = auto.state_dict()
+    if saved is not None:  # a state dict of another world size: the trials run again
+        resumed = KFACPreconditioner(DistributedDataParallel(_model()), **_options("auto"))  # type: ignore[arg-type]
+        resumed.load_state_dict(saved)
+        out["resumed"] = (resumed.composition, resumed.strategy_choice)
+    same = KFACPreconditioner(DistributedDataParallel(_model()), **_options("auto"))  # type: ignore[arg-type]
+    same.load_state_dict(out["state"])  # type: ignore[arg-type]
+    assert same.strategy_choice is not None
+    out["same_world"] = (same.composition, same.strategy_choice.chosen)
+    return out
+
+
+def _check(results: list[dict[str, object]]) -> None:
+    chosen = results[0]["chosen"]
+    assert chosen in CANDIDATES
+    for result in results:
+        assert result["chosen"] == chosen, [r["chosen"] for r in results]
+        assert result["compositions"] == results[0]["compositions"]
+        assert result["skewed"] == "osawa"  # argmin of the slowest rank's means
+        assert result["same_world"] == (chosen, chosen)  # kept without new trials
+        for name, value in result["params"].items():  # type: ignore[union-attr]
+            torch.testing.assert_close(value, result["fixed"][name])  # type: ignore[index]
+    tried = results[0]["compositions"]
+    assert set(CANDIDATES) <= set(tried) and tried[-1] == chosen  # type: ignore[arg-type]
+    assert str(chosen) in str(results[0]["describe"])
+
+
+def test_auto_agrees_and_matches_the_chosen_composition_at_two_and_three_ranks() -> None:
+    two = run_distributed(_worker, 2, None, timeout=240)
+    _check(two)
+    three = run_distributed(_worker, 3, two[0]["state"], timeout=300)
+    _check(three)
+    for result in three:
+        composition, choice = result["resumed"]
+        assert composition == CANDIDATES[0] and choice is None  # trials again at 3 ranks
