@@ -6,12 +6,13 @@ so ``auto`` measures instead of guessing: during the first steps of training eac
 candidate runs in turn — its warm-up first (a measured fusion plans after
 ``fusion_warmup_steps`` factor steps), then at least ``auto_trial_steps`` timed steps —
 and the candidate with the lowest *amortized* iteration time on the *slowest* rank is
-kept. Steps are timed by kind (inverse refresh, factor refresh, plain) and the kinds are
-weighted by their share at the configured refresh intervals, so refresh steps count in
-their true proportion (the mean, not the median). When inverses refresh less often than
-the trial lasts, the candidate's inverse phase is timed once on its own (its results are
-discarded: the inverses in use stay those of the last scheduled refresh) and an inverse
-step costs a factor step plus that phase.
+kept. Steps are timed by kind (inverse refresh, factor refresh, plain) and each kind's
+median is weighted by its share at the configured refresh intervals, so refresh steps
+count in their true proportion (the amortized mean, not the median of all steps). The
+first candidate starts timing only after ``auto_trial_steps`` steps of training. When
+inverses refresh less often than the trial lasts, the candidate's inverse phase is timed
+once on its own (its results are discarded: the inverses in use stay those of the last
+scheduled refresh) and an inverse step costs a factor step plus that phase.
 
 Every rank follows the same schedule: it depends only on the step counter, the refresh
 intervals and whether a candidate's fusion plan is final, all replicated. The decision is
@@ -24,6 +25,7 @@ same candidate. Switching keeps the results: every candidate computes the same u
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,10 +54,10 @@ def kind_shares(factor_interval: int, inverse_interval: int) -> dict[str, float]
 def amortized_seconds(
     samples: Mapping[str, Sequence[float]], probe: float | None, shares: Mapping[str, float]
 ) -> float | None:
-    """Mean iteration time with every kind of step in its share; None while some kind
-    with a share has no estimate. An inverse step not seen is a factor step plus the
-    ``probe``'d inverse phase."""
-    means = {kind: sum(times) / len(times) for kind, times in samples.items() if times}
+    """Mean iteration time with every kind of step in its share (each kind's median: one
+    slow outlier must not decide); None while some kind with a share has no estimate. An
+    inverse step not seen is a factor step plus the ``probe``'d inverse phase."""
+    means = {kind: statistics.median(times) for kind, times in samples.items() if times}
     if "inverse" not in means and probe is not None and "factor" in means:
         means["inverse"] = means["factor"] + probe
     if any(share > 0 and kind not in means for kind, share in shares.items()):
@@ -197,8 +199,12 @@ class AutoTuner:
         window = self._windows[self._index]
         if window.timing and self._mark is not None:
             window.samples[kind].append(self._clock() - self._mark)
-        elif settled:
-            window.timing = True  # timed from the next step on
+        elif settled and (self._index > 0 or step + 1 >= self._min_steps):
+            # Timed from the next step on; the first candidate also waits out the
+            # training's own first steps (allocator and caches warming up).
+            window.timing = True
+            return None
+        else:
             return None
         shares = kind_shares(factor_interval, inverse_interval)
         window.estimate = amortized_seconds(window.samples, window.probe, shares)

@@ -165,7 +165,7 @@ class KFACConfig:
     skip_layers: tuple[SkipEntry, ...] = field(default=())
     strategy: StrategyName = "spd-kfac"
     auto_candidates: tuple[str, ...] = AUTO_CANDIDATES
-    auto_trial_steps: int = 5
+    auto_trial_steps: int = 10
     placement: PlacementName | None = None
     factor_options: FactorOptions = field(default_factory=FactorOptions)
     factor_exchange: FactorExchangeName | None = None

@@ -27,6 +27,7 @@ def test_table_builds_the_expected_kwargs() -> None:
         "fusion:layerwise": {"strategy": "spd-kfac", "factor_exchange": "layerwise"},
         "fusion:threshold": {"strategy": "spd-kfac", "factor_exchange": "threshold"},
         "fusion:optimal": {"strategy": "spd-kfac", "factor_exchange": "optimal"},
+        "auto": {"strategy": "auto"},
     }
     assert {name: preconditioner_kwargs(name) for name in VARIANTS} == expected
 

@@ -139,16 +139,16 @@ class _VariantRun:
         self, name: str, options: BenchOptions, comm: Communicator, costs: CostModel | str
     ) -> None:
         self.name = name
-        self.warmup = options.warmup
+        self._warmup = options.warmup
+        #: Iterations ``strategy="auto"`` spent trying candidates (before the warm-up).
+        self.trials = 0
+        self._iters = options.iters
+        self.target = options.iters
         torch.manual_seed(options.seed)  # the same initial weights for every variant
         model = _build(options)
         self.launches = BucketLaunches()
-        if comm.world_size > 1:
-            ddp = nn.parallel.DistributedDataParallel(model)
-            # The owner-computes exchange registers its own hook, which records launches.
-            if not VARIANTS[name].row.owner_computes:
-                ddp.register_comm_hook(None, timed_allreduce_hook(self.launches))
-            model = ddp
+        ddp = nn.parallel.DistributedDataParallel(model) if comm.world_size > 1 else None
+        model = ddp or model
         self.model = model
         self.optimizer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9)
         kwargs = VARIANTS[name].kfac
@@ -168,9 +168,13 @@ class _VariantRun:
                 profile=True,
             )
             self.profiler = self.precond.profiler
-            self.launches = self.precond.gradient_launches or self.launches
         else:
             self.profiler = Profiler(enabled=True, rank=comm.rank)
+        owned = None if self.precond is None else self.precond.gradient_launches
+        if owned is not None:  # the preconditioner's own hook records launches
+            self.launches = owned
+        elif ddp is not None:
+            ddp.register_comm_hook(None, timed_allreduce_hook(self.launches))
         self.times: list[float] = []
         self._forward = self._backward_done = 0.0
         self._hooks = StepHooks(
@@ -187,6 +191,9 @@ class _VariantRun:
     def iteration(self, inputs: Tensor, targets: Tensor) -> float:
         """One training iteration, recorded as spans; returns its wall time."""
         passes = [cross_entropy_pass(self.model, inputs, targets)]
+        trying = self.precond is not None and (
+            self.precond.config.strategy == "auto" and self.precond.strategy_choice is None
+        )
         began = time.perf_counter()
         train_step(self.model, self.optimizer, self.precond, passes, hooks=self._hooks)
         ended = time.perf_counter()
@@ -202,9 +209,17 @@ class _VariantRun:
         record(span_name(Phase.FORWARD_BACKWARD), forward, backward_done)
         record(span_name(Phase.ITERATION), began, ended)
         self.times.append(ended - began)
+        if trying:  # the deciding iteration is a trial too
+            self.trials = len(self.times)
+            self.target = self.trials + self._iters
         if len(self.times) == self.warmup:
             self.profiler.clear()  # statistics and traces start after the warm-up
         return ended - began
+
+    @property
+    def warmup(self) -> int:
+        """Leading iterations left out of the statistics: trials, then the warm-up."""
+        return self.trials + self._warmup
 
     def result(self, times: list[list[float]], events: list[Event], iters: int) -> VariantResult:
         """This variant's entry of ``results.json`` (rank 0, after gathering)."""
@@ -214,11 +229,21 @@ class _VariantRun:
             name=self.name,
             times=tuple(tuple(rank_times) for rank_times in times),
             warmup=self.warmup,
-            breakdown=breakdown(events, iters - self.warmup),
-            plan="" if precond is None else precond.plan.describe(),
+            breakdown=breakdown(events, iters - self._warmup),
+            plan="" if precond is None else _describe(precond),
             fusion_buckets=None if plan is None else len(plan.buckets),
             skipped_steps=0 if precond is None else precond.skipped_steps,
         )
+
+
+def _describe(precond: KFACPreconditioner) -> str:
+    choice = precond.strategy_choice
+    if choice is None:
+        return precond.plan.describe()
+    tried = ", ".join(f"{name} {1e3 * t:.1f} ms" for name, t in choice.seconds.items())
+    return (
+        f"chose {choice.chosen} (amortized on the slowest rank: {tried}); {precond.plan.describe()}"
+    )
 
 
 def _machine(options: BenchOptions, comm: Communicator) -> dict[str, str]:
@@ -271,9 +296,9 @@ def _train(
     generator = torch.Generator().manual_seed(1000 * options.seed + rank)
     inputs, targets = _workload(options).batch(options, generator)
     total, done = options.iters * len(runs), 0
-    while any(len(run.times) < options.iters for run in runs):
+    while any(len(run.times) < run.target for run in runs):
         for run in runs:
-            for _ in range(min(options.chunk, options.iters - len(run.times))):
+            for _ in range(min(options.chunk, run.target - len(run.times))):
                 seconds = run.iteration(inputs, targets)
                 done += 1
                 if progress is not None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from spdkfac.strategies import SGD, STRATEGIES, Strategy
+from spdkfac.strategies import AUTO_CANDIDATES, SGD, STRATEGIES, Strategy
 
 __all__ = [
     "PRESETS",
@@ -50,19 +50,34 @@ class Variant:
         return self.row.base
 
     @property
+    def chosen_online(self) -> bool:
+        """``strategy="auto"``: its policies are chosen while it runs."""
+        return self.row.base == "auto"
+
+    @property
     def factor_exchange(self) -> str | None:
         """The fusion policy in effect (None for SGD)."""
-        return self.row.factor_exchange
+        return "auto" if self.chosen_online else self.row.factor_exchange
 
     @property
     def placement(self) -> str | None:
         """The inverse placement in effect (None for SGD)."""
-        return self.row.placement
+        return "auto" if self.chosen_online else self.row.placement
 
+
+#: ``strategy="auto"`` as a benchmark row (it starts as its first candidate).
+AUTO = replace(
+    STRATEGIES[AUTO_CANDIDATES[0]],
+    name="auto",
+    base="auto",
+    overrides={},
+    description=f"auto: the fastest of {', '.join(AUTO_CANDIDATES)}, measured online (its "
+    "trial iterations come before the measured ones and are not counted)",
+)
 
 #: Every variant the benchmark knows, in the order the report lists them.
 VARIANTS: Mapping[str, Variant] = MappingProxyType(
-    {row.name: Variant(row) for row in (SGD, *STRATEGIES.values())}
+    {row.name: Variant(row) for row in (SGD, *STRATEGIES.values(), AUTO)}
 )
 
 #: Names ``--variants`` expands.
@@ -70,6 +85,15 @@ PRESETS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "main": ("sgd", "d-kfac", "mpd-kfac", "spd-kfac", "placement-only", "pipelining-only"),
         "osawa": ("sgd", "d-kfac", "mpd-kfac", "spd-kfac", "osawa", "osawa-pipelined"),
+        "auto": (
+            "sgd",
+            "d-kfac",
+            "mpd-kfac",
+            "spd-kfac",
+            "osawa",
+            "osawa-pipelined",
+            "auto",
+        ),
         "fig10": (
             "fusion:after-backward",
             "fusion:layerwise",
@@ -120,7 +144,7 @@ def after_backward_baseline(name: str, names: Sequence[str]) -> str | None:
     A variant that already exchanges after backward is its own baseline; SGD has none.
     """
     variant = VARIANTS[name]
-    if not variant.uses_kfac:
+    if not variant.uses_kfac or variant.chosen_online:
         return None
     for other in names:
         candidate = VARIANTS[other].row
