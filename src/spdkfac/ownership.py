@@ -33,9 +33,10 @@ from spdkfac.comm.ddp_hooks import (
 )
 from spdkfac.comm.owners import EVERYONE, gather_from_owners, reduce_to_owners
 from spdkfac.curvature import CurvatureBlock
+from spdkfac.linalg import all_finite
 from spdkfac.placement import EVERY_RANK, Plan
 from spdkfac.profiling import Phase, Profiler, span_name
-from spdkfac.update import all_finite, block_gradients, clip_from_sum, clip_terms
+from spdkfac.update import block_gradients, clip_from_sum, clip_terms
 
 __all__ = [
     "OwnerUpdate",
@@ -164,7 +165,7 @@ class OwnerUpdate:
             with self._profiler.span(span_name(Phase.GRAD_COMM, "reduce_scatter")):
                 self._reduce_in_step()
         gradients = block_gradients(b for b in self._blocks if self._mine(b))
-        return gradients, all_finite(gradients.values())
+        return gradients, all_finite(list(gradients.values()))
 
     def _reduce_in_step(self) -> None:
         """Average every parameter's gradient to its owner (a missing one counts as zero;

@@ -20,13 +20,13 @@ from torch import Tensor, nn
 from spdkfac.comm import Communicator
 from spdkfac.config import KFACConfig
 from spdkfac.curvature import CurvatureBlock
+from spdkfac.linalg import all_finite
 from spdkfac.profiling import Phase, Profiler, span_name
 
 __all__ = [
     "GradientGuard",
     "LearningRates",
     "ReplicatedUpdate",
-    "all_finite",
     "apply_preconditioned",
     "block_gradients",
     "clip_from_sum",
@@ -35,12 +35,6 @@ __all__ = [
     "optimizer_rates",
     "warn_uncaptured",
 ]
-
-
-def all_finite(tensors: Iterable[Tensor]) -> bool:
-    """Whether every element of every tensor is finite (True for none)."""
-    flags = [torch.isfinite(t).all() for t in tensors]
-    return bool(torch.stack(flags).all()) if flags else True
 
 
 def block_gradients(blocks: Iterable[CurvatureBlock]) -> dict[str, Tensor]:
@@ -150,7 +144,7 @@ class ReplicatedUpdate:
     def collect(self) -> tuple[dict[str, Tensor], bool]:
         """The blocks' gradients and whether they are all finite (this rank's view)."""
         gradients = block_gradients(self._blocks)
-        return gradients, all_finite(gradients.values())
+        return gradients, all_finite(list(gradients.values()))
 
     def agree(self, usable: bool) -> bool:
         """Skip on every rank or on none: gradients need not be replicated (no DDP)."""
@@ -245,7 +239,13 @@ class LearningRates:
 
 def warn_uncaptured(blocks: Sequence[CurvatureBlock]) -> None:
     """Name the registered blocks whose factors are still empty after a factor step."""
-    empty = [block.name for block in blocks if block.factors()[0] is None]
+    empty = [
+        block.name
+        for block in blocks
+        if all(
+            value is None for key, value in block.stored().items() if not key.endswith("inverse")
+        )
+    ]
     if empty:
         warnings.warn(
             f"spdkfac: no factors were captured for {empty} on the first factor step: "
