@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed_helper import run_distributed
 from spdkfac import KFACPreconditioner
+from tiny_models import conv_net
 
 CANDIDATES = ("d-kfac", "spd-kfac", "osawa")
 #: Seconds per iteration each rank's fake clock reports for each candidate: alone, rank 0
@@ -21,15 +22,7 @@ BATCH = 12
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(2, 3, 3, padding=1),
-        nn.Tanh(),
-        nn.Flatten(),
-        nn.Linear(48, 6),
-        nn.Tanh(),
-        nn.Linear(6, 3),
-    ).double()
+    return conv_net()
 
 
 def _options(strategy: str) -> dict[str, object]:

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed_helper import run_distributed
 from spdkfac import KFACPreconditioner
+from tiny_models import conv_net
 
 BATCH = 8
 #: (strategy, inverse_method, inverse_dtype) per case.
@@ -21,15 +22,7 @@ CASES = (
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(2, 3, 3, padding=1),
-        nn.Tanh(),
-        nn.Flatten(),
-        nn.Linear(48, 5),
-        nn.Tanh(),
-        nn.Linear(5, 3),
-    ).double()
+    return conv_net()
 
 
 def _data(step: int) -> tuple[Tensor, Tensor]:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from spdkfac.forms import DampedInverse, InverseForm
+from spdkfac.layers import KFACLayer
 from spdkfac.linalg import packed_dim, unpack_triu
 from spdkfac.placement import FactorSpec
 
@@ -204,6 +205,9 @@ class FactorPairState:
     :meth:`restore` keeps them full until the next update converts them once.
     """
 
+    name: str
+    module: nn.Module
+    adapter: KFACLayer
     a_factor: Tensor | None
     g_factor: Tensor | None
     a_inverse: Tensor | None
@@ -217,10 +221,22 @@ class FactorPairState:
     #: The damping of the last inverse update (the eigen-basis form applies it at use).
     damping: float = 0.0
 
-    def _configure(self, form: InverseForm | None, factor_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        adapter: KFACLayer,
+        *,
+        form: InverseForm | None = None,
+        factor_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.adapter = adapter
         if form is not None:
             self.form = form
         self.factor_dtype = factor_dtype
+        self.a_factor = self.g_factor = self.a_inverse = self.g_inverse = None
 
     def _kept(self, new: Tensor) -> Tensor:
         """A factor step's statistic in the running factors' storage dtype."""

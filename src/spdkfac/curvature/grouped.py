@@ -27,8 +27,6 @@ from spdkfac.curvature.block import (
     Slot,
 )
 from spdkfac.curvature.state import running_average
-from spdkfac.forms import InverseForm
-from spdkfac.layers import KFACLayer
 from spdkfac.linalg import InversionError
 
 __all__ = ["GroupedConvBlock"]
@@ -48,24 +46,10 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
 
     section = "layers"
 
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        adapter: KFACLayer,
-        *,
-        form: InverseForm | None = None,
-        factor_dtype: torch.dtype | None = None,
-    ) -> None:
-        self.name = name
-        self.module = module
-        self.adapter = adapter
-        self._configure(form, factor_dtype)
-        self.groups = int(getattr(module, "groups", 1))
-        self.a_factor: Tensor | None = None
-        self.g_factor: Tensor | None = None
-        self.a_inverse: Tensor | None = None
-        self.g_inverse: Tensor | None = None
+    @property
+    def groups(self) -> int:
+        """The convolution's ``groups``."""
+        return int(getattr(self.module, "groups", 1))
 
     @property
     def a_dim(self) -> int:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from spdkfac.curvature.block import (
     Contribution,
@@ -14,8 +13,6 @@ from spdkfac.curvature.block import (
     Slot,
 )
 from spdkfac.curvature.state import running_average, symmetric_running_average
-from spdkfac.forms import InverseForm
-from spdkfac.layers import KFACLayer
 from spdkfac.placement import FactorSpec
 
 __all__ = ["DiagonalKroneckerBlock", "KroneckerBlock"]
@@ -46,24 +43,6 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
 
     section = "layers"
     symmetric_factors = (True, True)
-
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        adapter: KFACLayer,
-        *,
-        form: InverseForm | None = None,
-        factor_dtype: torch.dtype | None = None,
-    ) -> None:
-        self.name = name
-        self.module = module
-        self.adapter = adapter
-        self._configure(form, factor_dtype)
-        self.a_factor: Tensor | None = None
-        self.g_factor: Tensor | None = None
-        self.a_inverse: Tensor | None = None
-        self.g_inverse: Tensor | None = None
 
     @property
     def a_dim(self) -> int:
