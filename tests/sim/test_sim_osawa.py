@@ -374,3 +374,16 @@ def test_cli_reports_memory(capsys: pytest.CaptureFixture[str]) -> None:
     assert "factors+inverses MiB/rank" in text
     row = next(line for line in text.splitlines() if line.startswith("| 4 | osawa |"))
     assert row.endswith(f"| {memory['osawa'] / 2**20:.1f} |")
+
+
+def test_auto_is_the_fastest_of_its_candidates() -> None:
+    from spdkfac.sim.strategies import parse_strategies
+    from spdkfac.strategies import AUTO_CANDIDATES
+
+    workload, hardware = workload_for("resnet32", batch_size=32), cpu_preset()
+    tried = {name: simulate_strategy(workload, hardware, 4, name) for name in AUTO_CANDIDATES}
+    auto = simulate_strategy(workload, hardware, 4, "auto")
+    best = min(tried.values(), key=lambda result: result.iteration_s)
+    assert auto.strategy == "auto" and auto.iteration_s == best.iteration_s
+    assert auto.plan.startswith(f"chose {best.strategy} (")
+    assert parse_strategies("d-kfac,auto") == ("d-kfac", "auto")

@@ -35,6 +35,7 @@ from spdkfac.sim import (
     write_trace,
 )
 from spdkfac.sim.paper import PAPER_TABLE_III
+from spdkfac.strategies import AUTO_CANDIDATES
 
 __all__ = ["add_parser", "run"]
 
@@ -149,7 +150,8 @@ def add_parser(verbs: Any) -> None:
         "--strategies",
         type=_strategies,
         default=DEFAULT_STRATEGIES,
-        help=f"comma list of {', '.join(STRATEGY_TABLE)} (default {','.join(DEFAULT_STRATEGIES)})",
+        help=f"comma list of {', '.join(STRATEGY_TABLE)}, auto (the fastest of "
+        f"{', '.join(AUTO_CANDIDATES)}) (default {','.join(DEFAULT_STRATEGIES)})",
     )
     add(
         "--overlap",

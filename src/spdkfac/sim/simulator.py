@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spdkfac.placement import Plan
 from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, breakdown
@@ -21,6 +21,7 @@ from spdkfac.sim.strategies import (
 )
 from spdkfac.sim.timeline import JITTER_PHASES, build_iteration, rank_speeds
 from spdkfac.sim.workload import Workload
+from spdkfac.strategies import AUTO_CANDIDATES
 
 __all__ = [
     "FULL_TIMELINE_RANKS",
@@ -298,9 +299,28 @@ def simulate_strategy(
     independent and the cycle's mean is their count-weighted mean. ``plan`` replaces the
     strategy's inverse placement.
 
+    ``"auto"`` is the fastest of :data:`~spdkfac.strategies.AUTO_CANDIDATES` here (what
+    ``strategy="auto"`` keeps after its trials, whose steps are not modelled).
+
     Raises:
         ValueError: An unknown strategy, a world size < 1 or bad refresh intervals.
     """
+    if strategy == "auto":
+        tried = [
+            simulate_strategy(
+                workload,
+                hardware,
+                world_size,
+                name,
+                factor_update_steps=factor_update_steps,
+                inv_update_steps=inv_update_steps,
+                plan=plan,
+            )
+            for name in AUTO_CANDIDATES
+        ]
+        best = min(tried, key=lambda result: result.iteration_s)
+        times = ", ".join(f"{r.strategy} {1e3 * r.iteration_s:.1f} ms" for r in tried)
+        return replace(best, strategy="auto", plan=f"chose {best.strategy} ({times}); {best.plan}")
     if isinstance(strategy, str):
         if strategy not in STRATEGY_TABLE:
             raise ValueError(f"unknown strategy {strategy!r}")

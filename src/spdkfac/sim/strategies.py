@@ -62,8 +62,9 @@ def parse_strategies(text: str) -> tuple[str, ...]:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        if item not in STRATEGY_TABLE:
-            raise ValueError(f"unknown strategy {item!r}; choose from {', '.join(STRATEGY_TABLE)}")
+        if item not in STRATEGY_TABLE and item != "auto":
+            known = ", ".join([*STRATEGY_TABLE, "auto"])
+            raise ValueError(f"unknown strategy {item!r}; choose from {known}")
         if item not in names:
             names.append(item)
     if not names:
