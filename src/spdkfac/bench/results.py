@@ -133,12 +133,14 @@ class BenchResults:
 
 @dataclass(frozen=True)
 class IterationStats:
-    """Median and quartiles (linear interpolation) of the measured iteration times."""
+    """Median, quartiles (linear interpolation) and mean of the measured iteration times
+    (the mean counts refresh steps in their share; the median hides them)."""
 
     count: int
     median: float
     q1: float
     q3: float
+    mean: float
 
 
 def iteration_stats(result: VariantResult) -> IterationStats:
@@ -151,9 +153,9 @@ def iteration_stats(result: VariantResult) -> IterationStats:
     if not values:
         raise ValueError(f"variant {result.name!r} has no measured iterations")
     if len(values) == 1:
-        return IterationStats(1, values[0], values[0], values[0])
+        return IterationStats(1, values[0], values[0], values[0], values[0])
     q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return IterationStats(len(values), median, q1, q3)
+    return IterationStats(len(values), median, q1, q3, statistics.fmean(values))
 
 
 def ratio_to(results: BenchResults, name: str, reference: str) -> float | None:
