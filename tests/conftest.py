@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,3 +26,11 @@ def idx_writer() -> _IdxWriter:
 def tiny_fashion_mnist(tmp_path: Path) -> Path:
     """A directory with random Fashion-MNIST-shaped IDX files: 256 train, 64 test images."""
     return write_tiny_fashion_mnist(tmp_path, seed=0)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the fork server of ``run_distributed`` (tests/distributed_helper.py) when the
+    collected tests import it: it imports torch while the first tests run."""
+    helper = sys.modules.get("distributed_helper")
+    if helper is not None and not session.config.option.collectonly:
+        helper.start_fork_server()

@@ -1,26 +1,68 @@
-"""Run a function on N gloo ranks in spawned processes, with a hard timeout and tracebacks;
-run a command (``torchrun``, ``python -m spdkfac``) with a timeout that ends all it started."""
+"""Run a function on N gloo ranks in fresh processes, with a hard timeout and tracebacks.
+
+On Linux the ranks are forked from a multiprocessing fork server that imported torch and
+spdkfac once (started by the first call): a fresh world then starts in a fraction of a
+second, where spawning one (a new interpreter importing torch per rank) took seconds per
+rank. Every call still gets new processes, so nothing a target does (process-group state,
+environment, monkeypatches, exit hooks) reaches the next call. The ranks get this
+process's environment, working directory and ``sys.path`` as they are at the call.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import queue
-import signal
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["RecordingCommunicator", "kill_process_tree", "run_command", "run_distributed"]
+from process_helper import kill_process_tree, run_command
+
+__all__ = [
+    "RecordingCommunicator",
+    "kill_process_tree",
+    "run_command",
+    "run_distributed",
+    "run_forked",
+    "spdkfac_on_rank",
+    "start_fork_server",
+]
+
+#: What the fork server imports once for every rank it forks (import errors are ignored).
+#: torch._dynamo (with sympy, ~800 modules) is imported lazily by the first DDP forward:
+#: seconds in every fresh rank unless the server has it.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "pytest",
+            "spdkfac", "distributed_helper"]  # fmt: skip
+
+
+def _context() -> Any:
+    # Elsewhere (macOS: fork after importing torch is unsafe there), spawned interpreters.
+    if not sys.platform.startswith("linux"):
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)  # read when the server starts (first call)
+    return context
+
+
+def start_fork_server() -> None:
+    """Start the fork server now: it imports in the background while other tests run, and
+    takes this process's state (``sys.path``, modules) before any test changed it."""
+    if sys.platform.startswith("linux"):
+        _context()
+        mp.forkserver.ensure_running()
 
 
 def _worker(
@@ -33,12 +75,18 @@ def _worker(
     collective_timeout: float,
     env: dict[str, str],
 ) -> None:
+    # The caller's environment now, not the fork server's from when it started.
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
-    # torch read TORCH_DISTRIBUTED_DEBUG when it was imported (while unpickling this call),
-    # before ``env`` was applied: read it again.
+    # torch read TORCH_DISTRIBUTED_DEBUG when it was imported (in the fork server, or while
+    # unpickling this call), before ``env`` was applied: read it again.
     dist.set_debug_level_from_env()  # type: ignore[attr-defined]
     torch.set_num_threads(1)
+    # Forked ranks share the server's generator states; a spawned rank had its own seeds.
+    torch.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     try:
         dist.init_process_group(
             "gloo",
@@ -68,13 +116,15 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``target(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results.
 
-    ``target`` must be a module-level function (it is pickled into spawned processes) and
-    its return value must be ``torch.save``-able. Raises ``AssertionError`` listing every
-    failing rank's traceback, or naming the ranks that did not finish within ``timeout``
-    seconds (they are killed, so a hang fails fast).
+    ``target`` must be a module-level function (it is pickled into the new processes) and
+    its return value must be ``torch.save``-able. ``env`` is added to this process's
+    environment for the ranks. Raises ``AssertionError`` listing every failing rank's
+    traceback, or naming the ranks that did not finish within ``timeout`` seconds (they
+    are killed, so a hang fails fast).
     """
-    context = mp.get_context("spawn")
+    context = _context()
     results = context.Queue()
+    environment = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         processes = [
@@ -88,17 +138,17 @@ def run_distributed(
                     args,
                     results,
                     collective_timeout,
-                    env or {},
+                    environment,
                 ),
                 daemon=True,
             )
             for rank in range(world_size)
         ]
-        for process in processes:
-            process.start()
         outcomes: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout
         try:
+            for process in processes:
+                process.start()
             while len(outcomes) < world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -110,10 +160,13 @@ def run_distributed(
                         break
                     continue
                 outcomes[rank] = (status, payload)
-        finally:
-            for process in processes:
-                process.join(timeout=5)
-                if process.is_alive() and process.pid is not None:
+        finally:  # also on KeyboardInterrupt or pytest-timeout: no rank outlives the call
+            for rank, process in enumerate(processes):
+                if process.pid is None:  # never started
+                    continue
+                if rank in outcomes:  # leaving the group; one without a result hangs
+                    process.join(timeout=5)
+                if process.is_alive():
                     kill_process_tree(process.pid)  # its own children too
                     process.join()
     errors = [f"--- rank {r} ---\n{p}" for r, (s, p) in sorted(outcomes.items()) if s == "error"]
@@ -126,101 +179,62 @@ def run_distributed(
     return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]
 
 
-def _children() -> dict[int, list[int]]:
-    """Parent pid → pids of its children, read from ``/proc`` (empty without one)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
-    except OSError:
-        return children
-    for name in entries:
-        try:
-            with open(f"/proc/{name}/stat", "rb") as stat:
-                fields = stat.read()
-        except OSError:  # ended meanwhile
-            continue
-        # "pid (command) state ppid ...": the command may hold spaces and parentheses.
-        parent = int(fields[fields.rindex(b")") + 2 :].split()[1])
-        children.setdefault(parent, []).append(int(name))
-    return children
+def _forked(
+    target: Callable[..., Any], args: tuple[Any, ...], env: dict[str, str], output: str
+) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    torch.seed()
+    with open(output, "wb") as sink:  # stdout and stderr, file descriptors included
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    target(*args)
 
 
-def _descendants(root: int) -> list[int]:
-    tree, found, stack = _children(), [], [root]
-    while stack:
-        for child in tree.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _send(pid: int, sig: signal.Signals, *, group: bool = False) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # ended meanwhile
-        (os.killpg if group else os.kill)(pid, sig)
-
-
-def kill_process_tree(root: int) -> None:
-    """SIGKILL ``root`` and every process it started, directly or not.
-
-    torchrun (and ``spdkfac bench``) start each worker in a session of its own, so
-    killing the launcher's process group misses them: they would live on, holding the
-    pipes the test reads. The tree is frozen first (SIGSTOP, repeated until no process
-    appears: nothing forks or restarts a worker meanwhile), then every process and the
-    process group each leads (never the caller's own group) is killed.
-    """
-    stopped: list[int] = []
-    while True:
-        new = [pid for pid in (root, *_descendants(root)) if pid not in stopped]
-        if not new:
-            break
-        for pid in new:
-            _send(pid, signal.SIGSTOP)
-        stopped += new
-    own = os.getpgrp()
-    for pid in stopped:
-        try:
-            group = os.getpgid(pid)
-        except ProcessLookupError:
-            continue
-        if group == pid and group != own:  # a session or group leader: its whole group
-            _send(pid, signal.SIGKILL, group=True)
-        _send(pid, signal.SIGKILL)
-
-
-def run_command(
-    command: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+def run_forked(
+    target: Callable[..., Any], *args: Any, timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``subprocess.run(command, capture_output=True, text=True, timeout=..., env=...)``,
-    except that a timeout ends everything the command started.
+    """Run ``target(*args)`` in one new process, forked as :func:`run_distributed`'s ranks
+    are (without a process group), with ``env`` as its environment (default: this one's).
 
-    The command runs in a session of its own; when it outlives ``timeout`` seconds, it
-    and all its descendants (torchrun's workers included, see :func:`kill_process_tree`)
-    are killed before ``subprocess.TimeoutExpired`` is raised, so no worker survives the
-    test and the output pipes close.
+    Returns its exit code (negative: the signal that ended it) and its output (stdout and
+    stderr together, in both fields). Like :func:`run_command`, kills it and raises
+    ``subprocess.TimeoutExpired`` when it outlives ``timeout`` seconds.
     """
-    with subprocess.Popen(
-        list(command),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=None if env is None else dict(env),
-        start_new_session=True,
-    ) as process:
+    context = _context()
+    with tempfile.TemporaryDirectory() as tmp:
+        output = os.path.join(tmp, "output")
+        environment = dict(os.environ if env is None else env)
+        process = context.Process(target=_forked, args=(target, args, environment, output))
         try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_process_tree(process.pid)
-            try:
-                stdout, stderr = process.communicate(timeout=30)
-            except subprocess.TimeoutExpired:  # an escaped process still holds a pipe
-                stdout, stderr = "", ""
-            raise subprocess.TimeoutExpired(
-                process.args, timeout, output=stdout, stderr=stderr
-            ) from None
-        except BaseException:  # KeyboardInterrupt, pytest-timeout: end the tree too
-            kill_process_tree(process.pid)
-            raise
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+            process.start()
+            process.join(timeout)
+        finally:
+            if process.pid is not None and process.is_alive():
+                kill_process_tree(process.pid)
+                process.join()
+                timed_out = True
+            else:
+                timed_out = False
+        text = Path(output).read_text(errors="replace") if os.path.exists(output) else ""
+    name = getattr(target, "__name__", repr(target))
+    if timed_out:
+        raise subprocess.TimeoutExpired(name, timeout, output=text, stderr=text)
+    return subprocess.CompletedProcess([name], process.exitcode or 0, text, text)
+
+
+def spdkfac_on_rank(rank: int, world_size: int, argv: list[str]) -> tuple[int, str, str]:
+    """A :func:`run_distributed` target: ``spdkfac *argv`` on this rank, in the world the
+    helper set up (as torchrun's workers join theirs); its exit code, stdout and stderr."""
+    from spdkfac.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exit_:  # argparse
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return code, out.getvalue(), err.getvalue()
 
 
 class RecordingCommunicator:

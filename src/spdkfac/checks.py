@@ -65,17 +65,19 @@ def check_choice(name: str, value: object, choices: Collection[object]) -> None:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
-def check_candidates(value: object, table: Mapping[str, Any]) -> None:
-    """``auto_candidates``: a non-empty tuple of K-FAC rows of the strategy ``table``."""
-    candidates = (value,) if isinstance(value, str) else value
-    if not isinstance(candidates, tuple) or not candidates:
+def check_candidates(value: object, table: Mapping[str, Any]) -> tuple[str, ...]:
+    """``auto_candidates``: a non-empty sequence of K-FAC rows of the strategy ``table``,
+    as a tuple."""
+    if isinstance(value, str) or not isinstance(value, (tuple, list)) or not value:
         raise ValueError(f"auto_candidates must be a non-empty tuple of names, got {value!r}")
+    candidates = tuple(value)
     for name in candidates:
         if name not in table or table[name].base is None:
             raise ValueError(
                 f"auto_candidates entry {name!r} is not a K-FAC row of the strategy table "
                 f"({sorted(k for k, row in table.items() if row.base is not None)})"
             )
+    return candidates
 
 
 def check_skip_layers(value: object) -> tuple[SkipEntry, ...]:

@@ -197,7 +197,9 @@ class KFACConfig:
         check_choice("factor_dtype", self.factor_dtype, _DTYPES)
         object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers))
         check_choice("strategy", self.strategy, get_args(StrategyName))
-        check_candidates(self.auto_candidates, STRATEGIES)
+        object.__setattr__(
+            self, "auto_candidates", check_candidates(self.auto_candidates, STRATEGIES)
+        )
         check_int("auto_trial_steps", self.auto_trial_steps)
         if not isinstance(self.factor_options, FactorOptions):
             raise ValueError(f"factor_options must be a FactorOptions, got {self.factor_options!r}")

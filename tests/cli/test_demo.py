@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed_helper import run_command
+from process_helper import run_command
 from spdkfac.cli import main
 
 
@@ -58,7 +58,14 @@ def test_missing_data_directory_names_the_path(
 @pytest.mark.parametrize(
     "flag", [["--epochs", "0"], ["--damping", "-1"], ["--model", "vgg"], ["--bogus"]]
 )
-def test_bad_flags_exit_with_code_2(flag: list[str]) -> None:
-    result = run_command([sys.executable, "-m", "spdkfac", "demo", *flag], timeout=60)
+def test_bad_flags_exit_with_code_2(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *flag])
+    assert info.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_bad_flag_exit_code_in_a_subprocess() -> None:
+    result = run_command([sys.executable, "-m", "spdkfac", "demo", "--bogus"], timeout=60)
     assert result.returncode == 2
     assert "usage:" in result.stderr

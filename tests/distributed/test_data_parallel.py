@@ -10,10 +10,10 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed_helper import run_distributed
+from parallel_cases import Branchy, batch, bounds, grads, params
 from spdkfac import KFACPreconditioner
 
 STRATEGIES = ("d-kfac", "mpd-kfac", "spd-kfac")
-GLOBAL_BATCH = 12  # divisible by 1, 2 and 3
 
 
 class _Net(nn.Module):
@@ -34,26 +34,14 @@ def _model() -> nn.Module:
     return _Net().double()
 
 
-def _data(step: int) -> tuple[Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(100 + step)
-    inputs = torch.randn(GLOBAL_BATCH, 2, 6, 6, generator=generator, dtype=torch.float64)
-    return inputs, torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
-
-
-def _grads(model: nn.Module) -> dict[str, Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _options(**extra: object) -> dict[str, object]:
     return {"damping": 0.05, "kl_clip": 1e-2, "lr": 0.1, **extra}
 
 
 def _shard(rank: int, world_size: int, step: int) -> tuple[Tensor, Tensor]:
-    inputs, targets = _data(step)
-    per_rank = GLOBAL_BATCH // world_size
-    return inputs[rank * per_rank : (rank + 1) * per_rank], targets[
-        rank * per_rank : (rank + 1) * per_rank
-    ]
+    inputs, targets = batch(step)
+    begin, end = bounds(rank, world_size)
+    return inputs[begin:end], targets[begin:end]
 
 
 def _strategies_worker(rank: int, world_size: int) -> dict[str, object]:
@@ -64,7 +52,7 @@ def _strategies_worker(rank: int, world_size: int) -> dict[str, object]:
         inputs, targets = _shard(rank, world_size, 0)
         F.cross_entropy(model(inputs), targets).backward()
         assert precond.step()
-        out[f"{strategy}/grads"] = _grads(model.module)
+        out[f"{strategy}/grads"] = grads(model.module)
         out[f"{strategy}/plan"] = precond.plan.owners
         # 20 training steps with stale refreshes; replicas must stay bit-identical.
         model = DistributedDataParallel(_model())
@@ -80,19 +68,17 @@ def _strategies_worker(rank: int, world_size: int) -> dict[str, object]:
             F.cross_entropy(model(inputs), targets).backward()
             if precond.step():
                 optimizer.step()
-        out[f"{strategy}/params"] = {
-            n: p.detach().clone() for n, p in model.module.named_parameters()
-        }
+        out[f"{strategy}/params"] = params(model.module)
     return out
 
 
 def _single_process_reference() -> dict[str, Tensor]:
     model = _model()
     precond = KFACPreconditioner(model, **_options())  # type: ignore[arg-type]
-    inputs, targets = _data(0)
+    inputs, targets = batch(0)
     F.cross_entropy(model(inputs), targets).backward()
     precond.step()
-    return _grads(model)
+    return grads(model)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -125,23 +111,9 @@ def test_every_strategy_matches_single_process_kfac(world_size: int) -> None:
         assert len(set(plans["mpd-kfac"])) == world_size
 
 
-class _Branchy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(4, 4)
-        self.side = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x: Tensor, use_side: bool) -> Tensor:
-        x = torch.tanh(self.trunk(x))
-        if use_side:
-            x = x + torch.tanh(self.side(x))
-        return self.head(x)
-
-
 def _unused_layer_worker(rank: int, world_size: int) -> dict[str, Tensor | None]:
     torch.manual_seed(0)
-    model = _Branchy().double()
+    model = Branchy().double()
     precond = KFACPreconditioner(model, kl_clip=None)
     inputs = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     # The side branch runs on rank 0 only: its factors come from rank 0's examples alone.

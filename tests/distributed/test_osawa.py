@@ -14,12 +14,12 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed_helper import RecordingCommunicator, run_distributed
+from parallel_cases import Branchy, batch, bounds, params
 from spdkfac import KFACPreconditioner
 from spdkfac.comm import TorchDistributedCommunicator
 from spdkfac.linalg import packed_size
 from spdkfac.strategies import STRATEGIES
 
-GLOBAL_BATCH = 12
 STEPS = 5
 OSAWA = ("osawa", "osawa-pipelined")
 
@@ -43,20 +43,6 @@ class _Net(nn.Module):
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return _Net().double()
-
-
-def _data(step: int) -> tuple[Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(100 + step)
-    inputs = torch.randn(GLOBAL_BATCH, 2, 6, 6, generator=generator, dtype=torch.float64)
-    return inputs, torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator)
-
-
-def _bounds(rank: int, world_size: int, uneven: bool) -> tuple[int, int]:
-    if not uneven:
-        per_rank = GLOBAL_BATCH // world_size
-        return rank * per_rank, (rank + 1) * per_rank
-    cuts = [0, 5, GLOBAL_BATCH] if world_size == 2 else [0, 3, 7, GLOBAL_BATCH]
-    return cuts[rank], cuts[rank + 1]
 
 
 def _options(**extra: Any) -> dict[str, Any]:
@@ -84,10 +70,10 @@ def _train(
     if refresh == (1, 1):
         options["kl_clip"] = None
     precond = KFACPreconditioner(net, **row, **options)
-    begin, end = _bounds(rank, world_size, uneven)
+    begin, end = bounds(rank, world_size, uneven)
     for step in range(STEPS):
         optimizer.zero_grad()
-        inputs, targets = _data(step)
+        inputs, targets = batch(step)
         F.cross_entropy(net(inputs[begin:end]), targets[begin:end]).backward()
         if world_size > 1 and not ddp and not strategy.startswith("osawa"):
             for param in net.parameters():
@@ -96,7 +82,7 @@ def _train(
                 param.grad /= world_size
         assert precond.step()
         optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params(model)
 
 
 #: (strategy, DDP, refresh or "uneven") runs per world size; world 3 repeats a subset.
@@ -147,25 +133,11 @@ def test_osawa_trains_like_single_process_kfac(world_size: int) -> None:
                 assert torch.equal(value, results[0][key][name]), (key, name, rank)
 
 
-class _Branchy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(4, 4)
-        self.side = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x: Tensor, use_side: bool) -> Tensor:
-        x = torch.tanh(self.trunk(x))
-        if use_side:
-            x = x + torch.tanh(self.side(x))
-        return self.head(x)
-
-
 def _unused_worker(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy, ddp in (("d-kfac", True), ("osawa", True), ("osawa", False)):
         torch.manual_seed(0)
-        model = _Branchy().double()
+        model = Branchy().double()
         net: nn.Module = (
             DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
         )
@@ -179,7 +151,7 @@ def _unused_worker(rank: int, world_size: int) -> dict[str, Any]:
             net(inputs, use_side=(rank == 0)).pow(2).mean().backward()
             assert precond.step()
             optimizer.step()
-        out[f"{strategy}/{ddp}"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[f"{strategy}/{ddp}"] = params(model)
     return out
 
 
@@ -199,7 +171,7 @@ def _state_worker(rank: int, world_size: int, path: str, phase: str) -> dict[str
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     precond = KFACPreconditioner(net, strategy="osawa", **_options())
     out: dict[str, Any] = {}
-    begin, end = _bounds(rank, world_size, False)
+    begin, end = bounds(rank, world_size)
     steps = range(3)
     if phase == "resume":
         saved = torch.load(path, weights_only=False)
@@ -209,14 +181,14 @@ def _state_worker(rank: int, world_size: int, path: str, phase: str) -> dict[str
         steps = range(3, 5)
     for step in steps:
         optimizer.zero_grad()
-        inputs, targets = _data(step)
+        inputs, targets = batch(step)
         F.cross_entropy(net(inputs[begin:end]), targets[begin:end]).backward()
         assert precond.step()
         optimizer.step()
     state = precond.state_dict()
     out["state"] = state
     out["memory"] = precond.memory_bytes()
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["params"] = params(model)
     if phase == "save" and rank == 0:
         torch.save({"model": model.state_dict(), "precond": state}, path)
     return out
@@ -238,7 +210,7 @@ def test_state_dict_round_trips_and_resumes_on_another_world_size(tmp_path: Path
     precond = KFACPreconditioner(model, strategy="d-kfac", **_options())
     for step in range(5):
         optimizer.zero_grad()
-        inputs, targets = _data(step)
+        inputs, targets = batch(step)
         F.cross_entropy(model(inputs), targets).backward()
         assert precond.step()
         optimizer.step()
@@ -366,7 +338,7 @@ def _gpt_run(rank: int, world_size: int, strategy: str, accumulation: int) -> di
                 (loss / accumulation).backward()
         assert precond.step()
         optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params(model)
 
 
 def _edges_worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -379,7 +351,7 @@ def _edges_worker(rank: int, world_size: int) -> dict[str, Any]:
     skipped = []
     for step in range(4):
         model.zero_grad()
-        inputs, targets = _data(step)
+        inputs, targets = batch(step)
         if rank == 1 and step in (1, 2):
             inputs = inputs * float("nan")
         F.cross_entropy(model(inputs[:4]), targets[:4]).backward()
@@ -411,30 +383,3 @@ def test_osawa_needs_a_placement_that_owns_layers() -> None:
         ValueError, match="placement='balanced' cannot be used with strategy='osawa'"
     ):
         KFACPreconditioner(nn.Linear(2, 2), strategy="osawa", placement="balanced")
-
-
-def test_train_cli_checkpoints_and_resumes_with_osawa(
-    tiny_fashion_mnist: Path, tmp_path: Path
-) -> None:
-    """Checkpoints gather the owners' factors (state_dict() on every rank, no hang)."""
-    import os
-    import sys
-
-    from distributed_helper import run_command
-
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "spdkfac", "train"]
-    out = tmp_path / "run"
-    common = ["--data", str(tiny_fashion_mnist), "--model", "cnn", "--epochs", "1",
-              "--batch-size", "16", "--out-dir", str(out), "--strategy", "osawa",
-              "--no-tensorboard"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = run_command([*command, *common, "--max-steps", "2"], timeout=240, env=env)
-    assert first.returncode == 0, first.stderr[-3000:]
-    rest = run_command([*command, *common, "--max-steps", "4", "--resume"], timeout=240, env=env)
-    assert rest.returncode == 0, rest.stderr[-3000:]
-    assert "resumed from" in rest.stdout
-    name = (out / "checkpoints" / "latest").read_text().strip()
-    state = torch.load(out / "checkpoints" / name / "common.pt", weights_only=False)
-    layers = state["preconditioner"]["layers"]
-    assert layers and all(entry["a_factor"] is not None for entry in layers.values())

@@ -7,11 +7,9 @@ raising while the others wait in a collective.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from fault_helpers import (
     write_tiny_data,
 )
 
-from distributed_helper import run_command, run_distributed
+from distributed_helper import run_distributed, run_forked
 from spdkfac.training.checkpoint import (
     atomic_torch_save,
     latest_checkpoint,
@@ -39,29 +37,29 @@ from spdkfac.training.trainer import train
 
 ENV = {k: v for k, v in os.environ.items() if k != "SPDKFAC_FAULT"} | {"OMP_NUM_THREADS": "1"}
 
-# Runs one process of `spdkfac train` whose checkpoint writer is SIGKILLed halfway through
-# writing argv[1] ("common.pt", "rank-0.pt" or "latest") of the step-10 checkpoint.
-_KILLED_WRITER = """
-import json, os, signal, sys, tempfile
-import spdkfac.training.checkpoint as checkpoint
-from spdkfac.training.config import TrainConfig
-from spdkfac.training.trainer import train
 
-victim, options = sys.argv[1], json.loads(sys.argv[2])
-real_write = checkpoint.atomic_write_bytes
+def _killed_writer(victim: str, options: dict[str, Any]) -> None:
+    """One process of ``spdkfac train`` whose checkpoint writer is SIGKILLed halfway
+    through writing ``victim`` ("common.pt", "rank-0.pt" or "latest") of the step-10
+    checkpoint (run in a process of its own)."""
+    import signal
+    import tempfile
 
-def torn_write(path, payload):
-    tenth = path.parent.name == "step-00000010" or payload.startswith(b"step-00000010")
-    if tenth and path.name == victim:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, _ = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.write(fd, payload[: len(payload) // 2])
-        os.kill(os.getpid(), signal.SIGKILL)
-    real_write(path, payload)
+    import spdkfac.training.checkpoint as checkpoint
 
-checkpoint.atomic_write_bytes = torn_write
-train(TrainConfig(**options))
-"""
+    real_write = checkpoint.atomic_write_bytes
+
+    def torn_write(path: Path, payload: bytes) -> None:
+        tenth = path.parent.name == "step-00000010" or payload.startswith(b"step-00000010")
+        if tenth and path.name == victim:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, _ = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            os.write(fd, payload[: len(payload) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_write(path, payload)
+
+    checkpoint.atomic_write_bytes = torn_write  # type: ignore[assignment]
+    train(TrainConfig(**options))
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +86,7 @@ def test_f5_kill_while_writing_a_checkpoint_keeps_the_previous_one(
     victim: str, data: Path, reference: Path, tmp_path: Path
 ) -> None:
     options = train_options(data, tmp_path)
-    killed = run_command(
-        [sys.executable, "-c", _KILLED_WRITER, victim, json.dumps(options)], timeout=120, env=ENV
-    )
+    killed = run_forked(_killed_writer, victim, options, timeout=120, env=ENV)
     assert killed.returncode == -9, killed.stderr[-3000:]
     root = tmp_path / "checkpoints"
     torn = step_directory(root, 10)

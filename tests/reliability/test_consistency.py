@@ -31,7 +31,9 @@ from spdkfac.comm import TorchDistributedCommunicator, completed
 STRATEGIES = ("d-kfac", "mpd-kfac", "spd-kfac")
 VARIANTS = ("plain", "hook-order", "unused", "eval-forwards")
 DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
-STEPS = 30
+#: Two periods of the refresh intervals (2 and 3: every combination of factor, inverse and
+#: plain steps twice), past UNUSED_EVERYWHERE.
+STEPS = 12
 ACCUMULATION = 2
 UNUSED_EVERYWHERE = 10  # a factor step (interval 2) at which no rank runs the side branch
 
@@ -284,7 +286,7 @@ def _assert_same(ours: object, theirs: object, label: str) -> None:
 
 def test_d1_collectives_agree_under_detail(detail_runs: list[dict[str, object]]) -> None:
     # The run above completed: no "Collectives differ" on any rank, every strategy,
-    # co-prime intervals, accumulation on, 30 steps.
+    # co-prime intervals, accumulation on, STEPS steps.
     assert all(out["detail"] for out in detail_runs)
     for strategy, variant in _detail_cases():
         key = f"{strategy}/{variant}"

@@ -25,7 +25,7 @@ from fault_helpers import (
 )
 from torch import nn
 
-from distributed_helper import run_command, run_distributed
+from distributed_helper import run_command, run_distributed, spdkfac_on_rank
 from spdkfac import KFACPreconditioner
 from spdkfac.training.config import TrainConfig
 from spdkfac.training.faults import Fault, FaultPlan
@@ -59,10 +59,14 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The output directory of a 2-rank run of STEPS steps without faults."""
+    """The output directory of a 2-rank run of STEPS steps without faults (``spdkfac
+    train`` on two forked ranks: the launcher is not what F1 compares)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    result = _torchrun(train_options(data, out, max_steps=STEPS))
-    assert result.returncode == 0, result.stderr[-3000:]
+    flags = ["train", *as_flags(train_options(data, out, max_steps=STEPS))]
+    env = ENV | {"SPDKFAC_FAULT": ""}  # added to this environment: no fault from there
+    results = run_distributed(spdkfac_on_rank, 2, flags, timeout=120, env=env)
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
     return out
 
 
@@ -104,14 +108,18 @@ def test_f1_killed_rank_restarts_and_resumes_bit_identically(
     assert '"replicas_identical": true' in (out / "summary.json").read_text()
 
 
-def _stall_in_factor_allreduce(rank: int, world_size: int, stall: float) -> Any:
+def _stall_in_factor_allreduce(rank: int, world_size: int, stall: float, done: str) -> Any:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
     # spd-kfac launches factor buckets from backward hooks, on a group of their own.
     precond = KFACPreconditioner(model, strategy="spd-kfac")
     loss = model(torch.randn(4, 6)).sum()
     if rank == 1:
-        time.sleep(stall)  # the peer never joins the factor all-reduce in time
+        # The peer never joins the factor all-reduce: it stays (so the survivor cannot
+        # see it leave) for ``stall`` seconds or until the survivor is done.
+        ends = time.monotonic() + stall
+        while time.monotonic() < ends and not os.path.exists(done):
+            time.sleep(0.05)
         return None
     started = time.monotonic()
     try:
@@ -119,13 +127,16 @@ def _stall_in_factor_allreduce(rank: int, world_size: int, stall: float) -> Any:
         precond.step()
     except RuntimeError as error:
         return time.monotonic() - started, str(error)
+    finally:
+        Path(done).touch()
     return time.monotonic() - started, None
 
 
-def test_f3_peer_stalling_in_factor_allreduce_fails_within_the_timeout() -> None:
+def test_f3_peer_stalling_in_factor_allreduce_fails_within_the_timeout(tmp_path: Path) -> None:
     timeout = 4.0
+    done = str(tmp_path / "survivor-done")
     survivor, _ = run_distributed(
-        _stall_in_factor_allreduce, 2, 3 * timeout, timeout=90, collective_timeout=timeout
+        _stall_in_factor_allreduce, 2, 3 * timeout, done, timeout=90, collective_timeout=timeout
     )
     elapsed, message = survivor
     assert message is not None, "the survivor returned from the factor all-reduce"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed_helper import run_command
+from process_helper import run_command
 from spdkfac.cli.main import main
 from spdkfac.profiling import BREAKDOWN_CATEGORIES
 

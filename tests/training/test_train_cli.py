@@ -1,30 +1,59 @@
-"""``spdkfac train``: argument errors, missing data, a 2-rank run, bit-identical resume."""
+"""``spdkfac train``: argument errors, missing data, 2-rank runs (a bit-identical resume, an
+osawa checkpoint).
+
+The 2-rank runs call the CLI's ``main`` on two gloo ranks that ``run_distributed`` forks
+(what torchrun's workers run, without a launcher and an interpreter per rank to start;
+runs under torchrun are in tests/reliability/test_faults.py and tests/cli/test_demo.py).
+Argument errors are checked in this process, and once in a subprocess for the exit code
+of ``python -m spdkfac``.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from distributed_helper import run_command
+from distributed_helper import run_command, run_distributed, spdkfac_on_rank
 
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _spdkfac(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return run_command([sys.executable, "-m", "spdkfac", "train", *args], timeout=timeout, env=ENV)
+@pytest.fixture
+def here(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A run in this process: alone (no torchrun variables), its threads and seed undone."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    threads, generator = torch.get_num_threads(), torch.get_rng_state()
+    yield
+    torch.set_num_threads(threads)
+    torch.set_rng_state(generator)
 
 
-def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    command = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "spdkfac", "train"]
-    return run_command([*command, *args], timeout=timeout, env=ENV)
+def _spdkfac(*args: str) -> subprocess.CompletedProcess[str]:
+    """``spdkfac train *args`` in this process: its exit code and output."""
+    code, out, err = spdkfac_on_rank(0, 1, ["train", *args])
+    assert not dist.is_initialized()
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
+def _two_ranks(*args: str) -> subprocess.CompletedProcess[str]:
+    """``spdkfac train *args`` on 2 gloo ranks: rank 0's exit code and output (every
+    rank's exit code must be the same)."""
+    results = run_distributed(
+        spdkfac_on_rank, 2, ["train", *args], timeout=240, env={"OMP_NUM_THREADS": "1"}
+    )
+    assert len({code for code, _, _ in results}) == 1, results
+    return subprocess.CompletedProcess(args, *results[0])
+
+
+@pytest.mark.usefixtures("here")
 @pytest.mark.parametrize(
     "flags",
     [["--epochs", "0"], ["--optimizer", "adam"], ["--strategy", "x"], ["--lr", "-1"],
@@ -36,6 +65,14 @@ def test_bad_flags_exit_2_before_any_process_group(flags: list[str]) -> None:
     assert "usage:" in result.stderr
 
 
+def test_bad_flag_exit_code_in_a_subprocess() -> None:
+    command = [sys.executable, "-m", "spdkfac", "train", "--bogus"]
+    result = run_command(command, timeout=60, env=ENV)
+    assert result.returncode == 2, result.stderr
+    assert "usage:" in result.stderr
+
+
+@pytest.mark.usefixtures("here")
 def test_bad_config_files_exit_2(tmp_path: Path) -> None:
     unknown = tmp_path / "unknown.toml"
     unknown.write_text("learning_rate = 0.1\n")
@@ -43,6 +80,7 @@ def test_bad_config_files_exit_2(tmp_path: Path) -> None:
     assert _spdkfac("--config", str(tmp_path / "missing.toml")).returncode == 2
 
 
+@pytest.mark.usefixtures("here")
 def test_missing_dataset_names_the_path(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere"
     result = _spdkfac("--data", str(missing), "--model", "cnn")
@@ -70,15 +108,15 @@ def test_two_ranks_train_and_resume_bit_identically(
 ) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # The straight run also evaluates every 2 steps: evaluation changes no training state.
-    first = _torchrun(
+    first = _two_ranks(
         *_common_args(tiny_fashion_mnist, straight), "--max-steps", "6", "--eval-every", "2"
     )
     assert first.returncode == 0, first.stderr[-3000:]
     assert (straight / "metrics.csv").read_text().count("\n") == 4  # header + steps 2, 4, 6
     assert "median iteration" in first.stdout
-    half = _torchrun(*_common_args(tiny_fashion_mnist, resumed), "--max-steps", "3")
+    half = _two_ranks(*_common_args(tiny_fashion_mnist, resumed), "--max-steps", "3")
     assert half.returncode == 0, half.stderr[-3000:]
-    rest = _torchrun(*_common_args(tiny_fashion_mnist, resumed), "--max-steps", "6", "--resume")
+    rest = _two_ranks(*_common_args(tiny_fashion_mnist, resumed), "--max-steps", "6", "--resume")
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert "resumed from" in rest.stdout
     ours, theirs = _final_model(straight), _final_model(resumed)
@@ -86,6 +124,25 @@ def test_two_ranks_train_and_resume_bit_identically(
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
     # A checkpoint from another configuration is refused with a clear message.
-    other = _torchrun(*_common_args(tiny_fashion_mnist, resumed), "--resume", "--lr", "0.01")
+    other = _two_ranks(*_common_args(tiny_fashion_mnist, resumed), "--resume", "--lr", "0.01")
     assert other.returncode != 0
     assert "incompatible configuration (differs in lr)" in other.stderr
+
+
+def test_train_cli_checkpoints_and_resumes_with_osawa(
+    tiny_fashion_mnist: Path, tmp_path: Path
+) -> None:
+    """Checkpoints gather the owners' factors (state_dict() on every rank, no hang)."""
+    out = tmp_path / "run"
+    common = ["--data", str(tiny_fashion_mnist), "--model", "cnn", "--epochs", "1",
+              "--batch-size", "16", "--out-dir", str(out), "--strategy", "osawa",
+              "--no-tensorboard"]  # fmt: skip
+    first = _two_ranks(*common, "--max-steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    rest = _two_ranks(*common, "--max-steps", "4", "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "resumed from" in rest.stdout
+    name = (out / "checkpoints" / "latest").read_text().strip()
+    state = torch.load(out / "checkpoints" / name / "common.pt", weights_only=False)
+    layers = state["preconditioner"]["layers"]
+    assert layers and all(entry["a_factor"] is not None for entry in layers.values())
