@@ -191,9 +191,7 @@ class _VariantRun:
     def iteration(self, inputs: Tensor, targets: Tensor) -> float:
         """One training iteration, recorded as spans; returns its wall time."""
         passes = [cross_entropy_pass(self.model, inputs, targets)]
-        trying = self.precond is not None and (
-            self.precond.config.strategy == "auto" and self.precond.strategy_choice is None
-        )
+        trying = self.trying
         began = time.perf_counter()
         train_step(self.model, self.optimizer, self.precond, passes, hooks=self._hooks)
         ended = time.perf_counter()
@@ -215,6 +213,14 @@ class _VariantRun:
         if len(self.times) == self.warmup:
             self.profiler.clear()  # statistics and traces start after the warm-up
         return ended - began
+
+    @property
+    def trying(self) -> bool:
+        """Whether ``strategy="auto"`` is still trying candidates."""
+        precond = self.precond
+        return precond is not None and (
+            precond.config.strategy == "auto" and precond.strategy_choice is None
+        )
 
     @property
     def warmup(self) -> int:
@@ -298,8 +304,12 @@ def _train(
     total, done = options.iters * len(runs), 0
     while any(len(run.times) < run.target for run in runs):
         for run in runs:
-            for _ in range(min(options.chunk, run.target - len(run.times))):
+            turn = min(options.chunk, run.target - len(run.times))
+            # auto's trials run uninterrupted, as in training: its clock would otherwise
+            # count the other variants' turns into the first iteration of each of its own.
+            while turn > 0 or run.trying:
                 seconds = run.iteration(inputs, targets)
+                turn -= 1
                 done += 1
                 if progress is not None:
                     progress(done, total, f"{run.name} {1e3 * seconds:.0f} ms")

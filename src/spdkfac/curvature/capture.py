@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -13,12 +13,20 @@ __all__ = ["ActivationCapture"]
 
 InputSink = Callable[[str, nn.Module, Tensor], None]
 GradSink = Callable[[str, nn.Module, Tensor, Tensor], None]
+_Hook = TypeVar("_Hook", bound=Callable[..., None])
 
 
 def _layer_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tensor | None:
     """The layer's input, passed positionally or as ``input=`` (the name torch's layers use)."""
     value = args[0] if args else kwargs.get("input")
     return value if isinstance(value, Tensor) else None
+
+
+def _eager(hook: _Hook) -> _Hook:
+    """``hook`` run as plain Python under ``torch.compile``: Dynamo calls it between graphs
+    instead of tracing it, so the capture's changing state (call counts, which layers
+    were seen) never becomes a guard that recompiles the model at every step."""
+    return cast(_Hook, torch.compiler.disable(hook))
 
 
 def _in_backward() -> bool:
@@ -95,7 +103,7 @@ class ActivationCapture:
             self._active.setdefault(name, []).append(inputs)
             self._on_input(name, module, inputs)
 
-        return hook
+        return _eager(hook)
 
     def _post_hook(
         self, name: str
@@ -117,7 +125,7 @@ class ActivationCapture:
 
             _on_output_grad(output, arrived)
 
-        return hook
+        return _eager(hook)
 
     def forget(self) -> None:
         """Drop the bookkeeping of calls whose gradient never came (a forward without
