@@ -341,8 +341,10 @@ def gather_states(
             states[block.name][key] = None
             continue
         value = local[block.name][key]
+        # Sent in the statistics dtype (exact for values stored in bf16 / fp16): every
+        # rank knows it, where a storage dtype is the owner's own business.
         buffer = (
-            value.detach().clone().to(communicator.device)
+            value.detach().to(device=communicator.device, dtype=block.dtype, copy=True)
             if owner == rank and value is not None
             else torch.empty(shape, dtype=block.dtype, device=communicator.device)
         )

@@ -18,6 +18,7 @@ CASES = (
     ("spd-kfac", "eigen-basis", None),
     ("osawa", "eigen-basis", None),
     ("spd-kfac", "cholesky", torch.bfloat16),
+    ("osawa", "eigen-basis", torch.bfloat16),
 )
 
 
@@ -67,4 +68,12 @@ def test_forms_across_two_ranks_equal_single_process() -> None:
         expected = _train(_model(), 0, 1, inverse_method=method, inverse_dtype=dtype)
         for rank_result in results:
             for name, gradient in expected.items():
-                torch.testing.assert_close(rank_result[index][name], gradient)
+                got = rank_result[index][name]
+                if method == "eigen-basis" and dtype is not None:
+                    # Eigenvectors of nearly equal eigenvalues turn with rounding-level
+                    # changes of the factor (reduced over ranks here); once rounded to
+                    # bf16 they no longer cancel exactly: bf16-level agreement.
+                    error = torch.linalg.norm(got - gradient) / torch.linalg.norm(gradient)
+                    assert error < 0.02, (index, name, float(error))
+                else:
+                    torch.testing.assert_close(got, gradient)

@@ -268,8 +268,16 @@ class FactorPairState:
         }
 
     def restore(self, entry: Mapping[str, Tensor | None]) -> None:
-        self.a_factor, self.g_factor = entry["a_factor"], entry["g_factor"]
-        self.a_inverse, self.g_inverse = entry["a_inverse"], entry["g_inverse"]
+        factors, inverses = self.factor_dtype, self.form.dtype
+        self.a_factor = _in_dtype(entry["a_factor"], factors)
+        self.g_factor = _in_dtype(entry["g_factor"], factors)
+        self.a_inverse = _in_dtype(entry["a_inverse"], inverses)
+        self.g_inverse = _in_dtype(entry["g_inverse"], inverses)
+
+
+def _in_dtype(value: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    """A restored tensor in its storage dtype (None: as it is; no copy when it already is)."""
+    return value if value is None or dtype is None else value.to(dtype)
 
 
 def full_factor(factor: Tensor | None, symmetric: bool = True) -> Tensor | None:
