@@ -10,19 +10,26 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext, suppress
+from contextlib import suppress
 from pathlib import Path
 from typing import IO
 
 import spdkfac
-from spdkfac.bench.netns import Cluster, emulated_cluster
+from spdkfac.bench.netns import Cluster
 
-__all__ = ["LIVE_PROGRESS_ENV", "free_port", "launch_ranks", "run_ranks"]
+__all__ = [
+    "LIVE_PROGRESS_ENV",
+    "MASTER_PORT",
+    "free_port",
+    "launch_ranks",
+    "rank_commands",
+    "run_ranks",
+]
 
 #: Set to 1 for workers whose stderr the launcher forwards to a terminal.
 LIVE_PROGRESS_ENV = "SPDKFAC_PROGRESS_LIVE"
 _TAIL_BYTES = 6000
-_MASTER_PORT = 29577  # inside fresh namespaces every port is free
+MASTER_PORT = 29577  # inside fresh namespaces every port is free
 
 
 def free_port() -> int:
@@ -123,17 +130,13 @@ def run_ranks(commands: Sequence[tuple[Sequence[str], Mapping[str, str]]], timeo
     return code if code and code > 0 else 1
 
 
-def launch_ranks(
-    worker_argv: Sequence[str], *, nproc: int, link: str | None, timeout: float
-) -> int:
-    """Run ``python -m spdkfac bench WORKER_ARGV`` as ``nproc`` ranks (see :func:`run_ranks`).
+def rank_commands(
+    argv: Sequence[str], *, nproc: int, cluster: Cluster | None, port: int = MASTER_PORT
+) -> list[tuple[Sequence[str], Mapping[str, str]]]:
+    """``argv`` once per rank with the environment of a gloo world of ``nproc`` ranks.
 
-    On loopback (``link`` None) the ranks meet on a free local port; with a ``link`` rate
-    each runs in its own network namespace behind a ``tc`` cap (needs root), torn down
-    afterwards whatever happens.
-
-    Returns:
-        0 when every rank succeeded, else a non-zero exit code.
+    On loopback (``cluster`` None) the ranks meet on a free local port; in an emulated
+    cluster each runs in its own namespace and they meet at rank 0's address on ``port``.
     """
     package_root = str(Path(spdkfac.__file__).resolve().parents[1])
     python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
@@ -143,20 +146,31 @@ def launch_ranks(
         "PYTHONPATH": python_path,
         LIVE_PROGRESS_ENV: "1" if sys.stderr.isatty() else "0",
     }
+    meeting_port = str(free_port() if cluster is None else port)
+    commands: list[tuple[Sequence[str], Mapping[str, str]]] = []
+    for rank in range(nproc):
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_PORT": meeting_port}
+        if cluster is None:
+            env["MASTER_ADDR"] = "127.0.0.1"
+            commands.append((list(argv), {**os.environ, **env}))
+        else:
+            env["MASTER_ADDR"] = cluster.addresses[0]
+            env["GLOO_SOCKET_IFNAME"] = cluster.interfaces[rank]
+            commands.append((cluster.command(rank, argv, env), dict(os.environ)))
+    return commands
+
+
+def launch_ranks(
+    worker_argv: Sequence[str], *, nproc: int, cluster: Cluster | None, timeout: float
+) -> int:
+    """Run ``python -m spdkfac bench WORKER_ARGV`` as ``nproc`` ranks (see :func:`run_ranks`).
+
+    On loopback (``cluster`` None) the ranks meet on a free local port; in an emulated
+    cluster (:func:`~spdkfac.bench.netns.emulated_cluster`, which the caller enters and
+    tears down) each runs in its own namespace behind the link's cap.
+
+    Returns:
+        0 when every rank succeeded, else a non-zero exit code.
+    """
     command = [sys.executable, "-m", "spdkfac", "bench", *worker_argv]
-    cluster_context: AbstractContextManager[Cluster | None] = (
-        nullcontext(None) if link is None else emulated_cluster(nproc, rate=link)
-    )
-    with cluster_context as cluster:
-        port = str(free_port() if cluster is None else _MASTER_PORT)
-        commands: list[tuple[Sequence[str], Mapping[str, str]]] = []
-        for rank in range(nproc):
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_PORT": port}
-            if cluster is None:
-                env["MASTER_ADDR"] = "127.0.0.1"
-                commands.append((command, {**os.environ, **env}))
-            else:
-                env["MASTER_ADDR"] = cluster.addresses[0]
-                env["GLOO_SOCKET_IFNAME"] = cluster.interfaces[rank]
-                commands.append((cluster.command(rank, command, env), dict(os.environ)))
-        return run_ranks(commands, timeout)
+    return run_ranks(rank_commands(command, nproc=nproc, cluster=cluster), timeout)

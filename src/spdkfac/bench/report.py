@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from spdkfac.bench.link import MeasuredLink, format_bytes
 from spdkfac.bench.results import (
     BenchResults,
     exposed_factor_comm,
@@ -21,6 +22,7 @@ __all__ = [
     "BenchOutputs",
     "format_report",
     "last_iterations",
+    "record_link",
     "trace_filename",
     "write_bench_outputs",
     "write_breakdown_png",
@@ -76,6 +78,42 @@ def _header(results: BenchResults) -> list[str]:
         "",
     ]
     return lines
+
+
+def _timing(size: int, seconds: float) -> str:
+    return f"{1e3 * seconds:.3f} ms ({size / seconds / 1e9:.3f} GB/s)"
+
+
+def _link_section(results: BenchResults) -> list[str]:
+    """The emulated link's setting and what was measured on it (nothing on loopback)."""
+    if not results.link_measurement:
+        return []
+    link = MeasuredLink.from_json(results.link_measurement)
+    runs = [("before", link.before)]
+    if link.after is not None:
+        runs.append(("after", link.after))
+    columns = [(f"all-reduce {when}", m.allreduce, m.allreduce_fit) for when, m in runs]
+    columns += [(f"broadcast {when}", m.broadcast, m.broadcast_fit) for when, m in runs]
+    lines = [
+        "## Link",
+        "",
+        "Each rank ran in its own network namespace, its veth to a shared bridge capped by "
+        f"{link.shape.describe()}. Measured with gloo between the namespaces just before "
+        f"the benchmark{' and just after it' if link.after is not None else ''}: median "
+        "over repeats of the slowest rank's time; GB/s = message bytes / time.",
+        "",
+        f"| message | {' | '.join(heading for heading, _, _ in columns)} |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for size, _ in link.before.allreduce:
+        cells = []
+        for _, samples, _ in columns:
+            seconds = dict(samples).get(size)
+            cells.append("—" if seconds is None else _timing(size, seconds))
+        lines.append(f"| {format_bytes(size)} | {' | '.join(cells)} |")
+    fits = [f"α {1e3 * fit.alpha:.3f} ms, β {1e9 * fit.beta:.2f} ns/B" for _, _, fit in columns]
+    lines.append(f"| α-β fit | {' | '.join(fits)} |")
+    return [*lines, ""]
 
 
 def _time_table(results: BenchResults) -> list[str]:
@@ -191,7 +229,8 @@ def format_report(
     results: BenchResults, *, png: str | None = None, traces: str | None = None
 ) -> str:
     """The markdown report; ``png`` and ``traces`` are paths relative to it, when written."""
-    lines = _header(results) + _time_table(results) + _breakdown_table(results, png)
+    lines = _header(results) + _link_section(results)
+    lines += _time_table(results) + _breakdown_table(results, png)
     lines += _fig10_table(results) + _goals(results) + _plans(results)
     if traces:
         names = ", ".join(f"`{traces}/{trace_filename(v.name)}`" for v in results.variants)
@@ -300,6 +339,27 @@ def write_bench_outputs(
     report.write_text(format_report(results, png=png, traces="traces") + "\n")
     others = ("results.json", *((png,) if png else ()), "traces/")
     return BenchOutputs(report, others)
+
+
+def record_link(out_dir: str | Path, link: MeasuredLink) -> Path:
+    """Put ``link`` (its label and measurements) into the ``results.json`` of ``out_dir``
+    and write ``report.md`` again from it; the traces and ``breakdown.png`` stay.
+
+    Returns:
+        The report's path.
+
+    Raises:
+        FileNotFoundError: ``out_dir`` holds no ``results.json``.
+    """
+    directory = Path(out_dir)
+    results = BenchResults.load(directory / "results.json")
+    results = replace(results, link=link.label(), link_measurement=link.to_json())
+    results.save(directory / "results.json")
+    report = directory / "report.md"
+    previous = report.read_text() if report.is_file() else ""
+    png = "breakdown.png" if "](breakdown.png)" in previous else None
+    report.write_text(format_report(results, png=png, traces="traces") + "\n")
+    return report
 
 
 def write_outputs(

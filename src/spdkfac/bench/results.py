@@ -63,6 +63,8 @@ class BenchResults:
     ``factor_unpack`` is the measured host time per factor step of rebuilding every factor
     from its packed triangle (see :func:`spdkfac.bench.costs.unpack_seconds`): compute that
     the profiler counts inside ``FactorComm`` and no fusion policy can hide.
+    ``link_measurement`` is an emulated link's setting and measured rate
+    (:meth:`spdkfac.bench.link.MeasuredLink.to_json`); empty on loopback and under torchrun.
     """
 
     command: str
@@ -75,6 +77,7 @@ class BenchResults:
     machine: Mapping[str, Any] = field(default_factory=dict)
     cost_model: Mapping[str, Any] = field(default_factory=dict)
     factor_unpack: float = 0.0
+    link_measurement: Mapping[str, Any] = field(default_factory=dict)
 
     def variant(self, name: str) -> VariantResult | None:
         """The result of variant ``name``, None when it did not run."""
@@ -114,6 +117,7 @@ class BenchResults:
             machine=dict(data.get("machine", {})),
             cost_model=dict(data.get("cost_model", {})),
             factor_unpack=float(data.get("factor_unpack", 0.0)),
+            link_measurement=dict(data.get("link_measurement") or {}),
         )
 
     def save(self, path: str | Path) -> Path:

@@ -6,11 +6,16 @@ import argparse
 import os
 import shlex
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from spdkfac.bench.launch import LIVE_PROGRESS_ENV, launch_ranks
-from spdkfac.bench.netns import available, check_rate
+from spdkfac.bench.launch import LIVE_PROGRESS_ENV, MASTER_PORT, launch_ranks
+from spdkfac.bench.link import MeasuredLink
+from spdkfac.bench.linkprobe import probe_cluster
+from spdkfac.bench.netns import Cluster, available, check_rate, emulated_cluster
+from spdkfac.bench.report import record_link
 from spdkfac.bench.runner import BenchOptions, run_worker
 from spdkfac.bench.variants import PRESETS, VARIANTS, parse_variants
 from spdkfac.cli.arguments import non_negative_int, positive_float, positive_int
@@ -25,6 +30,7 @@ _FORWARDED = (
     "inv_update_steps", "fusion_warmup_steps", "lr", "damping", "input_size", "in_channels",
     "seed", "cost_model", "trace_iters", "out_dir", "timeout",
 )  # fmt: skip
+_PROBE_TIMEOUT = 120.0  # one measurement of the emulated link takes ~10 s on 2 ranks here
 
 
 def _variants(text: str) -> tuple[str, ...]:
@@ -169,15 +175,46 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    label = (
-        "loopback (127.0.0.1)"
-        if args.link is None
-        else f"emulated {args.link} (one network namespace per rank, tc tbf)"
-    )
+    if args.link is None:
+        return _launch(args, "loopback (127.0.0.1)", None, args.timeout)
+    with emulated_cluster(args.nproc, args.link) as cluster:
+        return _run_on_link(args, cluster)
+
+
+def _launch(args: argparse.Namespace, label: str, cluster: Cluster | None, timeout: float) -> int:
     flags = [*_forwarded_flags(args), "--link-label", label, "--command-line", _command_line(args)]
     print(
         f"spdkfac bench: {args.nproc} ranks, link {label}, variants {','.join(args.variants)}",
         file=sys.stderr,
         flush=True,
     )
-    return launch_ranks(flags, nproc=args.nproc, link=args.link, timeout=args.timeout)
+    return launch_ranks(flags, nproc=args.nproc, cluster=cluster, timeout=timeout)
+
+
+def _run_on_link(args: argparse.Namespace, cluster: Cluster) -> int:
+    """Measure the emulated link, benchmark on it, measure it again, and record both
+    measurements in ``results.json`` and ``report.md`` (the label quotes the first)."""
+    deadline = time.monotonic() + float(args.timeout)
+
+    def remaining(cap: float = float("inf")) -> float:
+        return max(1.0, min(cap, deadline - time.monotonic()))
+
+    print(f"spdkfac bench: measuring the emulated {args.link} link", file=sys.stderr, flush=True)
+    before = probe_cluster(cluster, timeout=remaining(_PROBE_TIMEOUT))
+    if before is None:
+        print("spdkfac bench: could not measure the emulated link", file=sys.stderr)
+        return 1
+    link = MeasuredLink(cluster.shape, before)
+    code = _launch(args, link.label(), cluster, remaining())
+    if code != 0:
+        return code
+    after = probe_cluster(cluster, timeout=remaining(_PROBE_TIMEOUT), port=MASTER_PORT + 2)
+    if after is None:
+        print(
+            "spdkfac bench: could not measure the link after the run; the report keeps the "
+            "measurement before it",
+            file=sys.stderr,
+        )
+    report = record_link(args.out_dir, replace(link, after=after))
+    print(f"spdkfac bench: recorded the measured link in {report}", file=sys.stderr)
+    return 0
