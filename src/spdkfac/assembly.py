@@ -13,6 +13,8 @@ from torch import nn
 from spdkfac.autotune import AutoTuner
 from spdkfac.comm import Communicator
 from spdkfac.comm.ddp_hooks import SwitchableHook
+from spdkfac.comm.schedule import GRADIENTS
+from spdkfac.comm.scheduler import CommScheduler
 from spdkfac.config import KFACConfig
 from spdkfac.costmodel import CostModel
 from spdkfac.curvature import CurvatureBlock, FactorCollector
@@ -22,7 +24,7 @@ from spdkfac.profiling import Profiler
 from spdkfac.strategies import Strategy
 from spdkfac.update import ReplicatedUpdate
 
-__all__ = ["Stages", "assemble", "routing_hook"]
+__all__ = ["Stages", "assemble", "routing_hook", "scheduler_for"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ def assemble(
     grad_scale: Callable[[], float] | None,
     profiler: Profiler,
     hooks: SwitchableHook | None = None,
+    scheduler: CommScheduler | None = None,
 ) -> Stages:
     """Plan the placement and build the stages of ``composition`` (a collective only
     where its policies are: a pipelined fusion creates a process group).
@@ -61,16 +64,27 @@ def assemble(
         enabled: Whether this step's passes are captured.
         grad_scale: The loss scale of a ``GradScaler`` (None without one).
         profiler: Where spans are recorded.
-        hooks: The DDP hook registered once by ``strategy="auto"`` (None otherwise).
+        hooks: The DDP hook registered once by :func:`routing_hook` (None otherwise).
+        scheduler: The communication scheduler (``comm_scheduler="priority"``; None).
     """
     assert composition.fusion is not None and composition.placement_policy is not None
+    if composition.comm_scheduler != "priority":
+        scheduler = None  # the hook's default path is DDP's all-reduce then
     specs = [spec for block in blocks for spec in block.inverse_specs()]
     plan = composition.placement_policy.plan(specs, communicator.world_size, costs)
     owners = composition.owner_computes
     if hooks is not None:
         hooks.use(None)  # DDP's all-reduce unless the owner update routes it
     update: ReplicatedUpdate | OwnerUpdate = (
-        OwnerUpdate(model, blocks, plan, communicator, profiler, hooks)
+        OwnerUpdate(
+            model,
+            blocks,
+            plan,
+            communicator,
+            profiler,
+            hooks,
+            gradients=None if scheduler is None else scheduler.stream(GRADIENTS, communicator),
+        )
         if owners
         else ReplicatedUpdate(blocks, communicator, profiler)
     )
@@ -95,23 +109,45 @@ def assemble(
         comm_dtype=config.factor_comm_dtype,
         owners=plan.owner_by_key if owners else None,
         grad_scale=grad_scale,
+        scheduler=scheduler,
         profiler=profiler,
     )
     return Stages(composition, update, inverses, collector)
 
 
-def routing_hook(model: nn.Module, auto: AutoTuner | None) -> SwitchableHook | None:
-    """The DDP hook ``strategy="auto"`` registers once when it will try an owner-computes
-    candidate under DDP (DDP takes one hook per model); None otherwise.
+def scheduler_for(
+    config: KFACConfig, communicator: Communicator, costs: CostModel
+) -> CommScheduler | None:
+    """The communication scheduler, with a process group of its own (a collective), when
+    a composition the preconditioner may use has ``comm_scheduler="priority"`` on a group
+    of several ranks; None otherwise."""
+    rows = config.candidate_rows if config.strategy == "auto" else [config.composition]
+    wanted = any(row.comm_scheduler == "priority" for row in rows)
+    if not wanted or communicator.world_size == 1:
+        return None
+    return CommScheduler(communicator.duplicate(), costs.allreduce)
+
+
+def routing_hook(
+    model: nn.Module, auto: AutoTuner | None, scheduler: CommScheduler | None = None
+) -> SwitchableHook | None:
+    """The DDP hook registered once when the gradient buckets' communication may change
+    (DDP takes one hook per model): ``strategy="auto"`` will try an owner-computes
+    candidate, or a ``scheduler`` orders the buckets; None otherwise.
 
     Raises:
         ValueError: The DDP model already has a hook.
     """
     ddp = find_ddp(model)
-    if auto is None or auto.decided or ddp is None:
+    if ddp is None:
         return None
-    if not any(candidate.owner_computes for candidate in auto.candidates):
+    tries_owners = (
+        auto is not None
+        and not auto.decided
+        and any(candidate.owner_computes for candidate in auto.candidates)
+    )
+    if scheduler is None and not tries_owners:
         return None
-    hooks = SwitchableHook()
+    hooks = SwitchableHook(scheduler)
     register_ddp_hook(ddp, hooks.function)
     return hooks

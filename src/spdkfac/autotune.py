@@ -34,7 +34,7 @@ import torch
 
 from spdkfac.comm import Communicator
 from spdkfac.config import KFACConfig
-from spdkfac.strategies import STRATEGIES, Strategy
+from spdkfac.strategies import Strategy
 
 __all__ = ["KINDS", "AutoChoice", "AutoTuner", "amortized_seconds", "kind_shares"]
 
@@ -142,8 +142,7 @@ class AutoTuner:
         """The tuner of ``config`` (None unless ``strategy="auto"``)."""
         if config.strategy != "auto":
             return None
-        candidates = [STRATEGIES[name] for name in config.auto_candidates]
-        return cls(candidates, communicator, min_steps=config.auto_trial_steps)
+        return cls(config.candidate_rows, communicator, min_steps=config.auto_trial_steps)
 
     @property
     def candidates(self) -> list[Strategy]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, get_args
@@ -17,12 +16,12 @@ from spdkfac.checks import (
     check_number,
     check_skip_layers,
 )
-from spdkfac.costmodel import CostModel
 from spdkfac.curvature.discovery import BlockSettings
 from spdkfac.forms import FORM_METHODS, FormMethod, InverseForm, inverse_form
 from spdkfac.layers import FactorOptions
 from spdkfac.strategies import AUTO_CANDIDATES, STRATEGIES, Strategy
 from spdkfac.types import (
+    CommSchedulerName,
     FactorExchangeName,
     FloatSchedule,
     IntSchedule,
@@ -36,7 +35,6 @@ from spdkfac.types import (
 __all__ = [
     "MUTABLE_OPTIONS",
     "KFACConfig",
-    "check_runtime_arguments",
     "constructor_signature",
     "resolve_config",
     "resolve_float",
@@ -131,6 +129,10 @@ class KFACConfig:
             ``"layerwise"``, ``"threshold"`` or ``"optimal"``); None keeps the strategy's.
         bucket_cap_mb: Bucket cap of the ``threshold`` and ``after-backward`` policies.
         fusion_warmup_steps: Factor steps measured before the ``optimal`` plan is made.
+        comm_scheduler: ``"fifo"`` (gradient and factor buckets on separate process
+            groups, each in its own order) or ``"priority"`` (during a pipelined factor
+            exchange both on one group, in one order where gradients preempt factors chunk
+            by chunk; PACE, INFOCOM 2020): see :mod:`spdkfac.comm.schedule`.
         factor_comm_dtype: Dtype factors travel in (e.g. ``torch.bfloat16``); running
             averages stay in float32. None: the factors' own dtype.
         accumulation_steps: Forward/backward passes per ``step()`` (gradient
@@ -172,6 +174,7 @@ class KFACConfig:
     bucket_cap_mb: float = 64.0
     fusion_warmup_steps: int = 5
     factor_comm_dtype: torch.dtype | None = None
+    comm_scheduler: CommSchedulerName = "fifo"
     accumulation_steps: int = 1
     max_inverse_failures: int = 3
     weight_sharing: WeightSharing = "expand"
@@ -210,6 +213,7 @@ class KFACConfig:
         check_int("accumulation_steps", self.accumulation_steps)
         check_int("max_inverse_failures", self.max_inverse_failures, low=0)
         check_choice("factor_comm_dtype", self.factor_comm_dtype, _DTYPES)
+        check_choice("comm_scheduler", self.comm_scheduler, get_args(CommSchedulerName))
         if self.placement is not None:
             check_choice("placement", self.placement, get_args(PlacementName))
         check_choice("weight_sharing", self.weight_sharing, get_args(WeightSharing))
@@ -238,10 +242,22 @@ class KFACConfig:
                     f"strategy='auto' chooses the factor exchange and the placement itself: "
                     f"remove {given}, or name a strategy"
                 )
-            return STRATEGIES[self.auto_candidates[0]]
+            return self.candidate_rows[0]
         return STRATEGIES[self.strategy].with_overrides(
-            factor_exchange=self.factor_exchange, placement=self.placement
+            factor_exchange=self.factor_exchange,
+            placement=self.placement,
+            comm_scheduler=self.comm_scheduler,
         )
+
+    @property
+    def candidate_rows(self) -> list[Strategy]:
+        """The rows ``strategy="auto"`` tries (``comm_scheduler="priority"`` applies to
+        every one; a ``+priority`` row keeps its scheduler)."""
+        scheduler = "priority" if self.comm_scheduler == "priority" else None
+        return [
+            STRATEGIES[name].with_overrides(comm_scheduler=scheduler)
+            for name in self.auto_candidates
+        ]
 
     @property
     def norm_mode(self) -> NormalizationMode | None:
@@ -347,28 +363,6 @@ def resolve_config(config: KFACConfig | None, options: Mapping[str, Any]) -> KFA
             f"are {sorted(known)}"
         )
     return replace(config, **options) if config is not None else KFACConfig(**options)
-
-
-def check_runtime_arguments(
-    *, grad_scaler: object, optimizer: object, profile: object, cost_model: object
-) -> None:
-    """Validate the preconditioner's arguments that are not options.
-
-    Raises:
-        ValueError: A wrong type for ``grad_scaler``, ``optimizer`` or ``profile``.
-        TypeError: A ``cost_model`` that is neither a ``CostModel``, a path nor None.
-    """
-    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-        raise ValueError(f"grad_scaler must be a torch.amp.GradScaler or None, got {grad_scaler!r}")
-    if not isinstance(profile, bool):
-        raise ValueError(f"profile must be a bool, got {profile!r}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {optimizer!r}")
-    if cost_model is not None and not isinstance(cost_model, (CostModel, str, os.PathLike)):
-        raise TypeError(
-            f"cost_model must be a CostModel, a path to a calibration JSON or None, "
-            f"got {cost_model!r}"
-        )
 
 
 def constructor_signature(init: Callable[..., None]) -> inspect.Signature:

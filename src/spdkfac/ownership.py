@@ -84,7 +84,7 @@ def register_ddp_hook(ddp: DistributedDataParallel, hook: DDPCommHook) -> None:
         ddp.register_comm_hook(None, hook)
     except RuntimeError as error:
         raise ValueError(
-            "strategy: the owner-computes exchange replaces DDP's gradient all-reduce with "
+            "strategy / comm_scheduler: spdkfac reduces the gradient buckets through "
             "its own communication hook, and this DistributedDataParallel model cannot "
             f"take it ({error})"
         ) from error
@@ -101,6 +101,8 @@ class OwnerUpdate:
         profiler: Where spans are recorded.
         hooks: A hook already registered on the DDP model to route the gradient
             communication through (``strategy="auto"``), instead of registering one.
+        gradients: The communicator DDP's buckets are reduced to the owners over (a
+            communication scheduler's gradient stream; default ``communicator``).
 
     Raises:
         ValueError: When the placement splits a layer, or the DDP model already has a
@@ -115,6 +117,8 @@ class OwnerUpdate:
         communicator: Communicator,
         profiler: Profiler,
         hooks: SwitchableHook | None = None,
+        *,
+        gradients: Communicator | None = None,
     ) -> None:
         self._blocks = blocks
         self._communicator = communicator
@@ -140,11 +144,13 @@ class OwnerUpdate:
         self.launches: BucketLaunches | None = None
         if not self.reduces_in_step and hooks is not None:
             self.launches = hooks.launches
-            hooks.use(owner_reduce_hook(communicator, param_owner, self.launches))
+            hooks.use(owner_reduce_hook(gradients or communicator, param_owner, self.launches))
         elif not self.reduces_in_step:
             assert ddp is not None
             self.launches = BucketLaunches()
-            register_ddp_hook(ddp, owner_reduce_hook(communicator, param_owner, self.launches))
+            register_ddp_hook(
+                ddp, owner_reduce_hook(gradients or communicator, param_owner, self.launches)
+            )
 
     def _mine(self, block: CurvatureBlock) -> bool:
         return self.owner_of[block.name] in (EVERYONE, self._communicator.rank)

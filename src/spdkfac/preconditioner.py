@@ -12,13 +12,13 @@ import torch
 from torch import Tensor, nn
 
 from spdkfac.agreement import discover_agreed_blocks, shared_cost_model
-from spdkfac.assembly import assemble, routing_hook
+from spdkfac.assembly import assemble, routing_hook, scheduler_for
 from spdkfac.autotune import AutoChoice, AutoTuner
 from spdkfac.comm import BucketLaunches, Communicator, make_communicator
 from spdkfac.comm.fusion import FusionPlan
+from spdkfac.comm.schedule import CommSchedule
 from spdkfac.config import (
     KFACConfig,
-    check_runtime_arguments,
     constructor_signature,
     resolve_config,
 )
@@ -35,6 +35,28 @@ __all__ = ["KFACPreconditioner"]
 
 _LOG = logging.getLogger("spdkfac")
 _OPTIONS = frozenset(option.name for option in fields(KFACConfig))
+
+
+def _check_runtime_arguments(
+    *, grad_scaler: object, optimizer: object, profile: object, cost_model: object
+) -> None:
+    """Validate the preconditioner's arguments that are not options.
+
+    Raises:
+        ValueError: A wrong type for ``grad_scaler``, ``optimizer`` or ``profile``.
+        TypeError: A ``cost_model`` that is neither a ``CostModel``, a path nor None.
+    """
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise ValueError(f"grad_scaler must be a torch.amp.GradScaler or None, got {grad_scaler!r}")
+    if not isinstance(profile, bool):
+        raise ValueError(f"profile must be a bool, got {profile!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {optimizer!r}")
+    if cost_model is not None and not isinstance(cost_model, (CostModel, str, os.PathLike)):
+        raise TypeError(
+            f"cost_model must be a CostModel, a path to a calibration JSON or None, "
+            f"got {cost_model!r}"
+        )
 
 
 class KFACPreconditioner(Snapshots):
@@ -90,7 +112,7 @@ class KFACPreconditioner(Snapshots):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        check_runtime_arguments(
+        _check_runtime_arguments(
             grad_scaler=grad_scaler, optimizer=optimizer, profile=profile, cost_model=cost_model
         )
         self.config = resolve_config(config, options)
@@ -115,7 +137,8 @@ class KFACPreconditioner(Snapshots):
         self._skipped_steps = 0
         costs = shared_cost_model(self._communicator, cost_model)
         self._auto = AutoTuner.of(self.config, self._communicator)
-        self._hooks = routing_hook(model, self._auto)
+        self._scheduler = scheduler_for(self.config, self._communicator, costs)
+        self._hooks = routing_hook(model, self._auto, self._scheduler)
         self._assemble = functools.partial(
             assemble,
             model=model,
@@ -126,6 +149,7 @@ class KFACPreconditioner(Snapshots):
             grad_scale=None if grad_scaler is None else lambda: float(grad_scaler.get_scale()),
             profiler=self.profiler,
             hooks=self._hooks,
+            scheduler=self._scheduler,
         )
         start = self._auto.current if self._auto else self.config.composition
         self._use(self._assemble(start, config=self.config))
@@ -152,6 +176,12 @@ class KFACPreconditioner(Snapshots):
     def plan(self) -> Plan:
         """Where each factor is inverted (see :mod:`spdkfac.placement`)."""
         return self._inverses.plan
+
+    @property
+    def comm_schedule(self) -> CommSchedule | None:
+        """The order ``comm_scheduler="priority"`` issues a factor step's gradient and
+        factor chunks in (None before it is planned, or without a scheduler)."""
+        return None if self._scheduler is None else self._scheduler.schedule
 
     @property
     def gradient_launches(self) -> BucketLaunches | None:

@@ -49,7 +49,9 @@ class Strategy:
         base: The algorithm (``strategy=`` value) this row modifies; itself for the
             algorithms, None for SGD.
         overrides: The ``KFACPreconditioner`` override options that turn ``base`` into
-            this row (``factor_exchange=`` / ``placement=``).
+            this row (``factor_exchange=`` / ``placement=`` / ``comm_scheduler=``).
+        comm_scheduler: ``"fifo"`` or ``"priority"``: who orders DDP's gradient buckets
+            and the pipelined factor buckets (:mod:`spdkfac.comm.schedule`).
     """
 
     name: str
@@ -60,6 +62,7 @@ class Strategy:
     base: str | None = None
     overrides: Mapping[str, str] = field(default_factory=dict)
     owner_computes: bool = False
+    comm_scheduler: str = "fifo"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overrides", MappingProxyType(dict(self.overrides)))
@@ -92,13 +95,18 @@ class Strategy:
         return None if self.base is None else {"strategy": self.base, **self.overrides}
 
     def with_overrides(
-        self, *, factor_exchange: str | None = None, placement: str | None = None
+        self,
+        *,
+        factor_exchange: str | None = None,
+        placement: str | None = None,
+        comm_scheduler: str | None = None,
     ) -> Strategy:
-        """This row with its fusion and/or placement replaced (names of the registries)."""
+        """This row with its fusion, placement and/or scheduler replaced (names)."""
         return replace(
             self,
             fusion=FUSION_POLICIES[factor_exchange] if factor_exchange else self.fusion,
             placement_policy=PLACEMENT_POLICIES[placement] if placement else self.placement_policy,
+            comm_scheduler=comm_scheduler or self.comm_scheduler,
         )
 
 
@@ -109,14 +117,16 @@ def compose(
     *,
     factor_exchange: str | None = None,
     placement: str | None = None,
+    comm_scheduler: str | None = None,
 ) -> Strategy:
     """A row that modifies the algorithm ``base`` by the given overrides."""
-    overrides = {
-        key: value
-        for key, value in (("factor_exchange", factor_exchange), ("placement", placement))
-        if value is not None
+    given = {
+        "factor_exchange": factor_exchange,
+        "placement": placement,
+        "comm_scheduler": comm_scheduler,
     }
-    row = _ALGORITHMS[base].with_overrides(factor_exchange=factor_exchange, placement=placement)
+    overrides = {key: value for key, value in given.items() if value is not None}
+    row = _ALGORITHMS[base].with_overrides(**overrides)
     return replace(row, name=name, description=description, overrides=overrides)
 
 
@@ -206,6 +216,19 @@ STRATEGIES: Mapping[str, Strategy] = MappingProxyType(
             "d-kfac",
             "ablation: D-KFAC's replicated inverses with SPD-KFAC's optimal fusion",
             factor_exchange="optimal",
+        ),
+        "spd-kfac+priority": compose(
+            "spd-kfac+priority",
+            "spd-kfac",
+            "SPD-KFAC with the priority scheduler: gradient chunks preempt factor chunks",
+            comm_scheduler="priority",
+        ),
+        "osawa-pipelined+priority": compose(
+            "osawa-pipelined+priority",
+            "osawa",
+            "osawa-pipelined with the priority scheduler",
+            factor_exchange="optimal",
+            comm_scheduler="priority",
         ),
         **{
             f"fusion:{policy}": compose(

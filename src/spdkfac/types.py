@@ -32,7 +32,9 @@ SkipEntry = str | type[nn.Module]
 #: algorithms, the ablations being reached with the overrides below; or ``"auto"``).
 StrategyName = Literal["d-kfac", "mpd-kfac", "spd-kfac", "osawa", "auto"]
 #: Fusion policies (:data:`spdkfac.comm.fusion.FUSION_POLICIES`).
-FactorExchangeName = Literal["after-backward", "layerwise", "threshold", "optimal"]
+FactorExchangeName = Literal["after-backward", "layerwise", "threshold", "optimal", "dp"]
+#: Communication schedulers (:data:`spdkfac.comm.schedule.COMM_SCHEDULERS`).
+CommSchedulerName = Literal["fifo", "priority"]
 #: Placement policies (:data:`spdkfac.placement.PLACEMENT_POLICIES`).
 PlacementName = Literal["replicated", "round-robin", "balanced", "layer-owners"]
 #: Curvature of normalization layers' scale and shift (Osawa et al. 2019).

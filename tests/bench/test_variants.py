@@ -23,10 +23,17 @@ def test_table_builds_the_expected_kwargs() -> None:
         "osawa-pipelined": {"strategy": "osawa", "factor_exchange": "optimal"},
         "placement-only": {"strategy": "spd-kfac", "factor_exchange": "after-backward"},
         "pipelining-only": {"strategy": "d-kfac", "factor_exchange": "optimal"},
+        "spd-kfac+priority": {"strategy": "spd-kfac", "comm_scheduler": "priority"},
+        "osawa-pipelined+priority": {
+            "strategy": "osawa",
+            "factor_exchange": "optimal",
+            "comm_scheduler": "priority",
+        },
         "fusion:after-backward": {"strategy": "spd-kfac", "factor_exchange": "after-backward"},
         "fusion:layerwise": {"strategy": "spd-kfac", "factor_exchange": "layerwise"},
         "fusion:threshold": {"strategy": "spd-kfac", "factor_exchange": "threshold"},
         "fusion:optimal": {"strategy": "spd-kfac", "factor_exchange": "optimal"},
+        "fusion:dp": {"strategy": "spd-kfac", "factor_exchange": "dp"},
         "auto": {"strategy": "auto"},
     }
     assert {name: preconditioner_kwargs(name) for name in VARIANTS} == expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -93,3 +94,60 @@ def test_plan_validation() -> None:
         plan_layerwise(["a"], ["a"])
     with pytest.raises(ValueError, match="cap"):
         plan_threshold(["a"], ["b"], {"a": 1, "b": 1}, 0)
+
+
+def _random_stream(seed: int, count: int) -> tuple[list[str], dict[str, int], list[float]]:
+    rng = random.Random(seed)
+    order = [f"s{i}" for i in range(count)]
+    sizes = {key: rng.choice([10, 100, 1_000, 50_000, 400_000]) for key in order}
+    ready = sorted(rng.uniform(0.0, 0.02) for _ in order)
+    return order, sizes, ready
+
+
+def _all_splits(order: list[str]) -> list[list[tuple[str, ...]]]:
+    splits = []
+    for mask in range(2 ** (len(order) - 1)):
+        groups, current = [], [order[0]]
+        for index, key in enumerate(order[1:]):
+            if mask >> index & 1:
+                groups.append(tuple(current))
+                current = []
+            current.append(key)
+        splits.append([*groups, tuple(current)])
+    return splits
+
+
+def test_dp_merge_is_the_best_split_and_never_worse_than_eq15() -> None:
+    from spdkfac.comm.merge import groups_end, merge_dp, merge_groups
+
+    model = AlphaBetaModel(alpha=5e-4, beta=8e-9)
+    for seed in range(40):
+        order, sizes, ready = _random_stream(seed, 2 + seed % 7)
+        best = min(groups_end(g, order, sizes, ready, model) for g in _all_splits(order))
+        groups = merge_dp(order, sizes, ready, model)
+        assert [key for group in groups for key in group] == order
+        assert groups_end(groups, order, sizes, ready, model) == pytest.approx(best)
+        greedy = merge_groups(order, sizes, ready, model)
+        assert (
+            groups_end(groups, order, sizes, ready, model)
+            <= groups_end(greedy, order, sizes, ready, model) + 1e-12
+        )
+
+
+def test_dp_policy_plans_like_threshold_until_measured() -> None:
+    from spdkfac.comm.fusion import FUSION_POLICIES, FusionInputs
+
+    inputs = FusionInputs(
+        a_order=("a1", "a2"),
+        g_order=("g2", "g1"),
+        sizes={"a1": 10, "a2": 10, "g1": 10, "g2": 10},
+        bucket_cap_elements=15,
+        allreduce=AlphaBetaModel(alpha=1e-3, beta=1e-9),
+    )
+    policy = FUSION_POLICIES["dp"]
+    assert policy.eager and policy.measured
+    assert policy.plan(inputs).buckets == FUSION_POLICIES["threshold"].plan(inputs).buckets
+    measured = policy.plan(replace(inputs, a_ready=(0.0, 1e-5), g_ready=(0.1, 0.1 + 1e-5)))
+    # Ready 10 µs apart with α = 1 ms: each stream is one bucket.
+    assert measured.policy == "dp"
+    assert measured.buckets == (("a1", "a2"), ("g2", "g1"))

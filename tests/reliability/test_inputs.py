@@ -112,6 +112,8 @@ INVALID: list[tuple[str, object, str | None]] = [
     ("accumulation_steps", 1.5, None),
     ("factor_comm_dtype", torch.int8, None),
     ("factor_comm_dtype", "bf16", None),
+    ("comm_scheduler", "pace", None),
+    ("comm_scheduler", None, None),
     ("bucket_cap_mb", 0.0, None),
     ("bucket_cap_mb", float("nan"), None),
     ("fusion_warmup_steps", 0, None),

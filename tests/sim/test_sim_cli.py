@@ -76,6 +76,7 @@ def test_markdown_by_default(capsys: pytest.CaptureFixture[str]) -> None:
         ["--model", "no-such-net"],
         ["--factor-update-steps", "0"],
         ["--overlap", "1.5"],
+        ["--comm-scheduler", "lifo"],
         ["--unknown-flag"],
     ],
 )

@@ -33,6 +33,7 @@ from spdkfac.comm import (
     init_distributed,
     timed_allreduce_hook,
 )
+from spdkfac.config import resolve_config
 from spdkfac.costmodel import CostModel, resolve_cost_model
 from spdkfac.data.text import VOCAB_SIZE
 from spdkfac.models import ModelKind, build_model, model_kind
@@ -156,9 +157,8 @@ class _VariantRun:
         if kwargs is not None:
             self.precond = KFACPreconditioner(
                 model,
-                strategy=kwargs["strategy"],
-                placement=kwargs.get("placement"),
-                factor_exchange=kwargs.get("factor_exchange"),
+                # The row's strategy and overrides, all of them (validated by the config).
+                config=resolve_config(None, kwargs),
                 factor_update_steps=options.factor_update_steps,
                 inv_update_steps=options.inv_update_steps,
                 fusion_warmup_steps=options.planning_steps,
@@ -244,6 +244,9 @@ class _VariantRun:
 
 def _describe(precond: KFACPreconditioner) -> str:
     choice = precond.strategy_choice
+    schedule = precond.comm_schedule
+    if schedule is not None:
+        return f"{precond.plan.describe()}; {schedule.describe()}"
     if choice is None:
         return precond.plan.describe()
     tried = ", ".join(f"{name} {1e3 * t:.1f} ms" for name, t in choice.seconds.items())

@@ -94,6 +94,14 @@ PRESETS: Mapping[str, tuple[str, ...]] = MappingProxyType(
             "osawa-pipelined",
             "auto",
         ),
+        "scheduler": (
+            "sgd",
+            "d-kfac",
+            "spd-kfac",
+            "spd-kfac+priority",
+            "osawa-pipelined",
+            "osawa-pipelined+priority",
+        ),
         "fig10": (
             "fusion:after-backward",
             "fusion:layerwise",

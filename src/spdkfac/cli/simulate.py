@@ -26,6 +26,7 @@ from spdkfac.sim import (
     Workload,
     markdown_report,
     model_by_name,
+    parse_comm_schedulers,
     parse_strategies,
     rank_programs,
     resolve_hardware,
@@ -45,6 +46,13 @@ _Loaded = TypeVar("_Loaded")
 def _strategies(text: str) -> tuple[str, ...]:
     try:
         return parse_strategies(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _comm_schedulers(text: str) -> tuple[str, ...]:
+    try:
+        return parse_comm_schedulers(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -165,6 +173,16 @@ def add_parser(verbs: Any) -> None:
         action="store_true",
         help="every collective in one FIFO queue (Horovod) instead of a factor channel",
     )
+    add(
+        "--comm-scheduler",
+        type=_comm_schedulers,
+        default=("fifo",),
+        metavar="LIST",
+        help="comma list of fifo (gradient and factor buckets on two channels sharing the "
+        "link), priority (one planned order in which gradient chunks preempt factor "
+        "chunks: spdkfac.comm.schedule), or both; non-fifo results are labelled "
+        "STRATEGY+SCHEDULER (default fifo)",
+    )
     add("--factor-update-steps", type=positive_int, default=1, help="factor refresh interval")
     add("--inv-update-steps", type=positive_int, default=1, help="inverse refresh interval")
     add("--json", action="store_true", help="print one JSON object keyed by strategy")
@@ -238,6 +256,11 @@ def _check_size(hardware: Hardware, workers: int, model: str) -> None:
         )
 
 
+def _label(strategy: str, scheduler: str) -> str:
+    """A result's key: the strategy, suffixed by a scheduler other than fifo."""
+    return strategy if scheduler == "fifo" else f"{strategy}+{scheduler}"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the ``simulate`` verb; returns the exit code."""
     try:
@@ -269,15 +292,17 @@ def _run(args: argparse.Namespace) -> int:
             _check_size(model_hardware, workers, workload.model)
         for workers in args.workers:
             results = {
-                name: simulate_strategy(
+                _label(name, scheduler): simulate_strategy(
                     workload,
                     model_hardware,
                     workers,
                     name,
                     factor_update_steps=args.factor_update_steps,
                     inv_update_steps=args.inv_update_steps,
+                    comm_scheduler=scheduler,
                 )
                 for name in args.strategies
+                for scheduler in args.comm_scheduler
             }
             runs.append(SimulationRun(workload.model, batch, workers, hardware.name, results))
     notes = [
@@ -288,6 +313,8 @@ def _run(args: argparse.Namespace) -> int:
         + ("; one collective queue" if hardware.single_queue else ""),
         f"factor/inverse update steps: {args.factor_update_steps}/{args.inv_update_steps}",
     ]
+    if args.comm_scheduler != ("fifo",):
+        notes.append(f"comm schedulers: {', '.join(args.comm_scheduler)}")
     report = markdown_report(runs, title="spdkfac simulate", notes=notes)
     if args.out is not None:
         Path(args.out).write_text(report + "\n")

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from spdkfac.comm.schedule import COMM_SCHEDULERS
 from spdkfac.forms import FORM_METHODS
 from spdkfac.models import TORCHVISION_PREFIX, torchvision_builder
 from spdkfac.strategies import STRATEGY_NAMES
@@ -70,6 +71,8 @@ _HELP: dict[str, str] = {
     "strategy": "distributed K-FAC strategy (a row of the strategy table in the README)",
     "inverse_method": "what K-FAC computes from each factor: cholesky or eigen (damped "
     "inverses), or eigen-basis (eigendecompositions, damping on the Kronecker eigenvalues)",
+    "comm_scheduler": "fifo, or priority: DDP's gradient buckets preempt pipelined factor "
+    "buckets chunk by chunk, in one order on every rank",
     "damping": "K-FAC damping (the target of the damping warm-up)",
     "damping_initial": "initial damping of the warm-up (Osawa et al.)",
     "damping_warmup_steps": "steps over which damping decays from the initial value",
@@ -123,6 +126,7 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     "lr_schedule": {"type": str, "choices": LR_SCHEDULES},
     "strategy": {"type": str, "choices": STRATEGY_NAMES},
     "inverse_method": {"type": str, "choices": FORM_METHODS},
+    "comm_scheduler": {"type": str, "choices": COMM_SCHEDULERS},
     "batchnorm": {"type": str, "choices": BATCHNORM_CURVATURES},
     "milestones": {"type": float, "nargs": "*"},
     "data": {"type": str},

@@ -14,12 +14,15 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from spdkfac.comm.base import Communicator
 from spdkfac.comm.owners import EVERYONE, reduce_to_owners
+from spdkfac.comm.schedule import GRADIENTS
+from spdkfac.comm.scheduler import CommScheduler
 
 __all__ = [
     "BucketLaunches",
     "DDPCommHook",
     "SwitchableHook",
     "owner_reduce_hook",
+    "scheduled_allreduce_hook",
     "timed_allreduce_hook",
 ]
 
@@ -67,6 +70,26 @@ def timed_allreduce_hook(recorder: Callable[[int, float], None]) -> DDPCommHook:
     return hook
 
 
+def scheduled_allreduce_hook(
+    scheduler: CommScheduler, recorder: Callable[[int, float], None]
+) -> DDPCommHook:
+    """DDP's all-reduce, through ``scheduler`` when its window plans the bucket
+    (``comm_scheduler="priority"``), else DDP's default hook; ``recorder`` as in
+    :func:`timed_allreduce_hook`. Either way the bucket is divided by the world size, then
+    summed, as DDP does."""
+
+    def hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        recorder(bucket.index(), time.perf_counter())
+        buffer = bucket.buffer()
+        index = scheduler.admit(GRADIENTS, buffer.numel())
+        if index is None:
+            return allreduce_hook(state, bucket)
+        buffer.div_(scheduler.world_size)
+        return scheduler.enqueue(GRADIENTS, index, [(buffer.view(-1), None)], buffer)
+
+    return hook
+
+
 def owner_reduce_hook(
     communicator: Communicator,
     owner_of: Mapping[int, int],
@@ -109,14 +132,18 @@ def owner_reduce_hook(
 
 class SwitchableHook:
     """One hook registered once whose behaviour can change between iterations (DDP takes
-    a single communication hook per model): DDP's default all-reduce, or the hook given to
-    :meth:`use` (``strategy="auto"`` trying an owner-computes composition). Records bucket
-    launches in :attr:`launches` either way.
+    a single communication hook per model): DDP's default all-reduce (through the
+    ``scheduler`` when one is given), or the hook given to :meth:`use` (``strategy="auto"``
+    trying an owner-computes composition). Records bucket launches in :attr:`launches`
+    either way.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: CommScheduler | None = None) -> None:
         self.launches = BucketLaunches()
         self._hook: DDPCommHook | None = None
+        self._default = (
+            None if scheduler is None else scheduled_allreduce_hook(scheduler, self.launches)
+        )
 
         def switchable_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
             return self(state, bucket)
@@ -131,5 +158,7 @@ class SwitchableHook:
     def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         if self._hook is not None:
             return self._hook(state, bucket)
+        if self._default is not None:
+            return self._default(state, bucket)
         self.launches(bucket.index(), time.perf_counter())
         return allreduce_hook(state, bucket)

@@ -119,6 +119,8 @@ class FactorExchange:
         self._weights = torch.zeros(len(slots) + 1, dtype=torch.float64, device=communicator.device)
         self._futures: list[Future[Tensor]] = []
         self._added: set[str] = set()
+        #: Slots added after their bucket was flushed, this step (ignored; see :meth:`flush`).
+        self.late: set[str] = set()
         self.replan(plan)
 
     @property
@@ -171,6 +173,9 @@ class FactorExchange:
             self._begin()
         self._added.add(key)
         bucket, offset = self._location[key]
+        if bucket < self._next:  # launched already (flushed): counts with weight 0
+            self.late.add(key)
+            return True
         size = packed_size(self._dims[key])
         target = self._buffers[bucket][offset : offset + size]
         target.copy_(pack_triu(factor).mul_(weight) if weight != 1 else pack_triu(factor))
@@ -179,6 +184,20 @@ class FactorExchange:
         if self._plan.eager:
             self._launch_ready()
         return True
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a factor of this step was added or a bucket launched."""
+        return bool(self._added or self._futures)
+
+    def flush(self, upto: int) -> None:
+        """Launch every bucket up to index ``upto`` now, with what it has: slots not added
+        yet count with weight 0, as at :meth:`finish` (a communication scheduler's
+        deadline; added later, they are ignored this step and listed in :attr:`late`)."""
+        if not self.in_step:
+            self._begin()
+        while self._next <= min(upto, len(self._buffers) - 1):
+            self._launch(self._next)
 
     def is_added(self, key: str) -> bool:
         """Whether ``key`` was contributed this step."""
@@ -197,6 +216,7 @@ class FactorExchange:
         return PendingExchange(self, futures)
 
     def _begin(self) -> None:
+        self.late = set()
         for buffer in self._buffers:
             buffer.zero_()
         self._weights.zero_()

@@ -15,17 +15,19 @@ into the bucket of slot l+1 when l+1 becomes ready before l's all-reduce would f
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
+from spdkfac.comm.merge import communication_starts, merge_dp, merge_groups
 from spdkfac.costmodel import AlphaBetaModel
 
 __all__ = [
     "FACTOR_EXCHANGES",
     "FUSION_POLICIES",
     "AfterBackward",
+    "DPFusion",
     "FusionInputs",
     "FusionPlan",
     "FusionPolicy",
@@ -33,8 +35,10 @@ __all__ = [
     "OptimalFusion",
     "ThresholdFusion",
     "communication_starts",
+    "merge_dp",
     "merge_groups",
     "plan_after_backward",
+    "plan_dp",
     "plan_layerwise",
     "plan_optimal",
     "plan_threshold",
@@ -119,69 +123,23 @@ def plan_threshold(
     return FusionPlan("threshold", tuple(buckets), eager=True)
 
 
-def communication_starts(ready: Sequence[float], durations: Sequence[float]) -> list[float]:
-    """τ_c: τ_c(1) = r_1, τ_c(l) = max(τ_c(l−1) + t_c(l−1), r_l) (one channel, in order)."""
-    starts: list[float] = []
-    for index, ready_at in enumerate(ready):
-        if index == 0:
-            starts.append(ready_at)
-        else:
-            starts.append(max(starts[-1] + durations[index - 1], ready_at))
-    return starts
-
-
-def merge_groups(
-    order: Sequence[str],
+def _plan_merged(
+    policy: str,
+    merge: Callable[..., list[tuple[str, ...]]],
+    a_order: Sequence[str],
+    g_order: Sequence[str],
     sizes: Mapping[str, int],
-    ready: Sequence[float],
+    a_ready: Sequence[float],
+    g_ready: Sequence[float],
     model: AlphaBetaModel,
-    bytes_per_element: int = 4,
-) -> list[tuple[str, ...]]:
-    """Eq. 15's greedy single pass over one stream (A in forward or G in backward order).
-
-    Args:
-        order: Slot keys in the order they become ready.
-        sizes: Elements per slot (packed triangles).
-        ready: Ready time r_l of each slot (seconds, any common origin).
-        model: All-reduce cost ``α + β·bytes``.
-        bytes_per_element: Bytes of one communicated element.
-
-    Returns:
-        Contiguous groups of slot keys.
-    """
-    if len(order) != len(ready):
-        raise ValueError("order and ready must have the same length")
-    if not order:
-        return []
-    alpha = model.alpha
-    elements = [sizes[key] for key in order]
-
-    def cost(count: int) -> float:
-        return model.predict(count * bytes_per_element) if count else 0.0
-
-    durations = [cost(count) for count in elements]
-    starts = communication_starts(ready, durations)
-    groups: list[tuple[str, ...]] = []
-    current: list[str] = []
-    for index in range(len(order) - 1):
-        current.append(order[index])
-        ready_next = ready[index + 1]
-        finish = starts[index] + durations[index]
-        if ready_next < finish and (
-            starts[index] > ready_next or ready_next - starts[index] < alpha
-        ):
-            # Merge: slot index travels with slot index+1 (its own start-up is saved).
-            elements[index + 1] += elements[index]
-            elements[index] = 0
-            durations[index] = 0.0
-            durations[index + 1] = cost(elements[index + 1])
-            starts = communication_starts(ready, durations)
-        else:
-            groups.append(tuple(current))
-            current = []
-    current.append(order[-1])
-    groups.append(tuple(current))
-    return groups
+    bytes_per_element: int,
+) -> FusionPlan:
+    """``merge`` on A (forward order) and G (backward order), buckets launched eagerly."""
+    _check_order(a_order, g_order)
+    buckets = merge(a_order, sizes, a_ready, model, bytes_per_element) + merge(
+        g_order, sizes, g_ready, model, bytes_per_element
+    )
+    return FusionPlan(policy, tuple(buckets), eager=True)
 
 
 def plan_optimal(
@@ -198,11 +156,24 @@ def plan_optimal(
     ``a_ready`` / ``g_ready`` are the measured times each factor is handed to the exchange
     (forward and backward respectively; rank 0's, shared so every rank plans alike).
     """
-    _check_order(a_order, g_order)
-    buckets = merge_groups(a_order, sizes, a_ready, model, bytes_per_element) + merge_groups(
-        g_order, sizes, g_ready, model, bytes_per_element
+    return _plan_merged(
+        "optimal", merge_groups, a_order, g_order, sizes, a_ready, g_ready, model, bytes_per_element
     )
-    return FusionPlan("optimal", tuple(buckets), eager=True)
+
+
+def plan_dp(
+    a_order: Sequence[str],
+    g_order: Sequence[str],
+    sizes: Mapping[str, int],
+    a_ready: Sequence[float],
+    g_ready: Sequence[float],
+    model: AlphaBetaModel,
+    bytes_per_element: int = 4,
+) -> FusionPlan:
+    """:func:`~spdkfac.comm.merge.merge_dp` on A and G, like ``optimal``."""
+    return _plan_merged(
+        "dp", merge_dp, a_order, g_order, sizes, a_ready, g_ready, model, bytes_per_element
+    )
 
 
 @dataclass(frozen=True)
@@ -295,37 +266,60 @@ class ThresholdFusion:
         )
 
 
+def _measured_plan(inputs: FusionInputs, planner: Callable[..., FusionPlan]) -> FusionPlan:
+    """``planner`` on the measured hand-over times; :class:`ThresholdFusion`'s plan until
+    there are some (what the preconditioner runs during the warm-up factor steps)."""
+    if inputs.a_ready is None or inputs.g_ready is None:
+        return ThresholdFusion().plan(inputs)
+    return planner(
+        inputs.a_order,
+        inputs.g_order,
+        inputs.sizes,
+        inputs.a_ready,
+        inputs.g_ready,
+        inputs.allreduce,
+        inputs.bytes_per_element,
+    )
+
+
 @dataclass(frozen=True)
 class OptimalFusion:
-    """SPD-KFAC's dynamic tensor fusion (Shi, Zhang, Li 2021, the merge rule of Eq. 15).
-
-    Without measured hand-over times it plans as :class:`ThresholdFusion` (what the
-    preconditioner runs while it measures during the warm-up factor steps).
-    """
+    """SPD-KFAC's dynamic tensor fusion (Shi, Zhang, Li 2021, the merge rule of Eq. 15),
+    planned as :class:`ThresholdFusion` until hand-over times are measured."""
 
     name: str = "optimal"
     eager: bool = True
     measured: bool = True
 
     def plan(self, inputs: FusionInputs) -> FusionPlan:
-        if inputs.a_ready is None or inputs.g_ready is None:
-            return ThresholdFusion().plan(inputs)
-        return plan_optimal(
-            inputs.a_order,
-            inputs.g_order,
-            inputs.sizes,
-            inputs.a_ready,
-            inputs.g_ready,
-            inputs.allreduce,
-            inputs.bytes_per_element,
-        )
+        return _measured_plan(inputs, plan_optimal)
+
+
+@dataclass(frozen=True)
+class DPFusion:
+    """The exact merge of :func:`~spdkfac.comm.merge.merge_dp` (PACE's dynamic program on
+    Eq. 15's timeline); planned as :class:`ThresholdFusion` until hand-over times are
+    measured."""
+
+    name: str = "dp"
+    eager: bool = True
+    measured: bool = True
+
+    def plan(self, inputs: FusionInputs) -> FusionPlan:
+        return _measured_plan(inputs, plan_dp)
 
 
 #: Every fusion policy by the name ``factor_exchange=`` takes.
 FUSION_POLICIES: Mapping[str, FusionPolicy] = MappingProxyType(
     {
         policy.name: policy
-        for policy in (AfterBackward(), Layerwise(), ThresholdFusion(), OptimalFusion())
+        for policy in (
+            AfterBackward(),
+            Layerwise(),
+            ThresholdFusion(),
+            OptimalFusion(),
+            DPFusion(),
+        )
     }
 )
 FACTOR_EXCHANGES: tuple[str, ...] = tuple(FUSION_POLICIES)

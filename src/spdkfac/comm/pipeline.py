@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -23,6 +24,7 @@ from torch import Tensor
 from spdkfac.comm.base import Communicator
 from spdkfac.comm.exchange import DEFAULT_BUCKET_CAP_BYTES, ExchangeResult, FactorExchange
 from spdkfac.comm.fusion import FusionInputs, FusionPlan, FusionPolicy
+from spdkfac.comm.scheduler import CommScheduler
 from spdkfac.costmodel import AlphaBetaModel
 from spdkfac.linalg import packed_size
 from spdkfac.profiling import Phase, Profiler, span_name
@@ -46,6 +48,9 @@ class FactorPipeline:
         warmup_steps: Factor steps measured before the ``optimal`` plan is made.
         dtype: Dtype of the reduced factors.
         comm_dtype: Dtype factors travel in (None: ``dtype``).
+        owners: Owner rank per slot (reduce-scatter to owners; None: all-reduce).
+        scheduler: The communication scheduler ``communicator`` hands its calls to
+            (``comm_scheduler="priority"``; None: none).
         profiler: Where waits are recorded.
     """
 
@@ -62,9 +67,12 @@ class FactorPipeline:
         dtype: torch.dtype = torch.float32,
         comm_dtype: torch.dtype | None = None,
         owners: Mapping[str, int] | None = None,
+        scheduler: CommScheduler | None = None,
         profiler: Profiler | None = None,
     ) -> None:
         self._communicator = communicator
+        self._scheduler = scheduler
+        self._warned_late = False
         self._policy = policy
         self._warmup_steps = warmup_steps
         self._profiler = profiler or Profiler()
@@ -88,6 +96,8 @@ class FactorPipeline:
             comm_dtype=comm_dtype,
             owners=owners,
         )
+        if scheduler is not None:
+            scheduler.reset()
         self._factor_steps = 0
         self._replan_requested = False
         self._current: dict[str, float] = {}
@@ -106,14 +116,20 @@ class FactorPipeline:
         """Whether :attr:`plan` is final: a measured policy has planned from measurements."""
         return not self._policy.measured or self._factor_steps >= self._warmup_steps
 
-    def hand_over(self, key: str, factor: torch.Tensor, weight: float) -> bool:
-        """Give the exchange this rank's final factor for ``key`` (from a hook).
+    def hand_over(
+        self, key: str, factor: torch.Tensor, weight: float, *, in_pass: bool = True
+    ) -> bool:
+        """Give the exchange this rank's final factor for ``key`` (from a hook, or at the
+        step with ``in_pass=False``). The first hand-over of a pass opens the scheduler's
+        window.
 
         Returns:
             False when ``key`` was already handed over this step (ignored).
         """
         if self._exchange.is_added(key):
             return False
+        if in_pass and self._scheduler is not None and not self._exchange.in_step:
+            self._scheduler.open_window(self._exchange.bucket_sizes)
         self._current[key] = time.perf_counter()
         return self._exchange.add(key, factor, weight)
 
@@ -121,11 +137,23 @@ class FactorPipeline:
         """Whether ``key`` was handed over this step."""
         return self._exchange.is_added(key)
 
+    @property
+    def window_planned(self) -> bool:
+        """Whether this pass's buckets follow the communication scheduler's schedule."""
+        return self._scheduler is not None and self._scheduler.planned
+
+    def flush(self) -> None:
+        """Launch every bucket now, with what it has (the end of a scheduled pass: slots
+        not handed over count with weight 0, as at :meth:`finish`)."""
+        self._exchange.flush(len(self._exchange.bucket_sizes) - 1)
+
     def finish(self, *, local_ok: bool) -> ExchangeResult:
         """Launch what is left, wait for everything, and (re)plan when due.
 
         Collective: every rank calls it once per factor step.
         """
+        if self._scheduler is not None:
+            self._scheduler.end_of_gradients()
         pending = self._exchange.finish(local_ok=local_ok)
         with self._profiler.span(span_name(Phase.FACTOR_COMM, "wait")):
             try:
@@ -142,6 +170,7 @@ class FactorPipeline:
             # factor: the simulator's profiled costs read it under that name.
             with self._profiler.span(span_name(Phase.FACTOR_COMM, "unpack")):
                 result = pending.result()
+        self._after_schedule()
         self._factor_steps += 1
         if self._current:
             self._history = [*self._history[-(_KEPT_STEPS - 1) :], self._current]
@@ -150,7 +179,28 @@ class FactorPipeline:
         if due or self._replan_requested:
             self._replan_requested = False
             self._replan()
+            if self._scheduler is not None:
+                self._scheduler.reset()  # the buckets may change: record them again
+        scheduler = self._scheduler
+        if scheduler is not None and self.settled and scheduler.plan_due():
+            scheduler.plan(self._communicator)  # a collective, at the same step everywhere
         return result
+
+    def _after_schedule(self) -> None:
+        """Close the scheduler's window (warn once about factors left out by it)."""
+        late = sorted(self._exchange.late)
+        if late and not self._warned_late:
+            self._warned_late = True
+            warnings.warn(
+                f"spdkfac: comm_scheduler='priority' launched the buckets of {late} before "
+                "these factors were ready (the schedule expected them earlier); they were "
+                "left out of this step's average. Re-plan with precond.retune() if the "
+                "model's passes changed",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if self._scheduler is not None:
+            self._scheduler.close_window()
 
     def request_replan(self) -> None:
         """Re-plan from fresh measurements at the end of the next factor step.
@@ -215,8 +265,9 @@ class LocalFactorExchange:
     """
 
     pipelined = False
-    #: Nothing to plan.
+    #: Nothing to plan, nothing to schedule.
     settled = True
+    window_planned = False
 
     def __init__(self) -> None:
         self._factors: dict[str, Tensor | None] = {}
@@ -226,7 +277,7 @@ class LocalFactorExchange:
         """None: nothing is exchanged."""
         return None
 
-    def hand_over(self, key: str, factor: Tensor, weight: float) -> bool:
+    def hand_over(self, key: str, factor: Tensor, weight: float, *, in_pass: bool = True) -> bool:
         """Keep ``factor`` as the step's global factor of ``key``; False when repeated."""
         if key in self._factors:
             return False
@@ -242,6 +293,9 @@ class LocalFactorExchange:
         ``local_ok``)."""
         factors, self._factors = self._factors, {}
         return ExchangeResult(factors=factors, flagged_ranks=0 if local_ok else 1, finite=True)
+
+    def flush(self) -> None:
+        """Nothing travels."""
 
     def request_replan(self) -> None:
         """Nothing to plan in a group of one."""

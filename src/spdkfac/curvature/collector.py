@@ -15,11 +15,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import Variable
 
 from spdkfac.comm import Communicator
 from spdkfac.comm.dense import reduce_dense
 from spdkfac.comm.fusion import FusionPlan, FusionPolicy
 from spdkfac.comm.pipeline import FactorPipeline, LocalFactorExchange
+from spdkfac.comm.schedule import FACTORS
+from spdkfac.comm.scheduler import CommScheduler
 from spdkfac.costmodel import AlphaBetaModel
 from spdkfac.curvature.block import Contribution, CurvatureBlock, Slot
 from spdkfac.curvature.capture import ActivationCapture
@@ -52,6 +55,8 @@ class FactorCollector:
         owners: Owner rank per symmetric slot key: its global factor is reduce-scattered
             to the owner only (None: all-reduced to every rank).
         grad_scale: Returns the loss scale of a ``GradScaler`` (None without one).
+        scheduler: Orders a pipelined exchange's buckets with DDP's gradient buckets
+            (``comm_scheduler="priority"``; None: the exchange has a group of its own).
         profiler: Where spans are recorded.
     """
 
@@ -69,15 +74,18 @@ class FactorCollector:
         comm_dtype: torch.dtype | None = None,
         owners: Mapping[str, int] | None = None,
         grad_scale: Callable[[], float] | None = None,
+        scheduler: CommScheduler | None = None,
         profiler: Profiler,
     ) -> None:
         self._blocks = {block.name: block for block in blocks}
+        self._scheduler = scheduler
         self._communicator = communicator
         self._accumulation_steps = accumulation_steps
         self._grad_scale = grad_scale
         self._scale: float | None = None
         self._profiler = profiler
         self._warned_extra_pass = False
+        self._end_queued = False
         # Calls per step after which a slot is final, learned on the first factor step
         # (a layer may run several times per pass): until then nothing is handed early.
         self._expected: dict[str, int] | None = None
@@ -123,8 +131,12 @@ class FactorCollector:
         if self._communicator.world_size == 1:
             return LocalFactorExchange()
         # Buckets launched from hooks get a group of their own, so they never interleave
-        # with DDP's gradient all-reduces on the default group.
+        # with DDP's gradient all-reduces on the default group (or the scheduler orders
+        # both on its own group).
         group = self._communicator.duplicate() if fusion.eager else self._communicator
+        scheduler = self._scheduler if fusion.eager else None
+        if scheduler is not None:
+            group = scheduler.stream(FACTORS, group)
         return FactorPipeline(
             group,
             [(slot.key, slot.shape[0]) for slot in symmetric if slot.forward],
@@ -136,6 +148,7 @@ class FactorCollector:
             dtype=self._dtype,
             comm_dtype=comm_dtype,
             owners=owners,
+            scheduler=scheduler,
             profiler=self._profiler,
         )
 
@@ -197,7 +210,11 @@ class FactorCollector:
     def _hand_over(self, key: str, pending: FactorAccumulator) -> None:
         """After the last accumulation pass, give the statistic to the exchange."""
         mean = pending.mean()
-        if mean is None or self._exchange.hand_over(key, mean, float(pending.weight)):
+        if mean is None:
+            return
+        if self._exchange.hand_over(key, mean, float(pending.weight)):
+            if not self._slots[key].forward and self._exchange.window_planned:
+                self._end_pass_at_backward_end()
             return
         if not self._warned_extra_pass:
             self._warned_extra_pass = True
@@ -208,6 +225,29 @@ class FactorCollector:
                 RuntimeWarning,
                 stacklevel=5,
             )
+
+    def _end_pass_at_backward_end(self) -> None:
+        """Once per scheduled pass (from the first output-gradient hand-over, before DDP
+        queues its own): when the backward pass ends, hand over what is left and launch
+        every factor bucket, so nothing the schedule orders waits past DDP's wait."""
+        if self._end_queued:
+            return
+        self._end_queued = True
+
+        def end() -> None:
+            self._end_queued = False
+            self._hand_over_rest()
+            self._exchange.flush()
+
+        Variable._execution_engine.queue_callback(end)
+
+    def _hand_over_rest(self) -> None:
+        """Statistics from fewer passes than ``accumulation_steps``, not handed over yet."""
+        for key, pending in self._pending.items():
+            if self._slots[key].symmetric and not self._exchange.is_handed_over(key):
+                mean = pending.mean()
+                if mean is not None:
+                    self._exchange.hand_over(key, mean, float(pending.weight), in_pass=False)
 
     def _learn_calls(self) -> None:
         """On the first factor step: how many calls make each slot final, and a warning
@@ -249,12 +289,7 @@ class FactorCollector:
         local_ok = local_ok and self.pending_finite()
         if self._expected is None:
             self._learn_calls()
-        # Statistics from fewer passes than accumulation_steps were not handed over yet.
-        for key, pending in self._pending.items():
-            if self._slots[key].symmetric and not self._exchange.is_handed_over(key):
-                mean = pending.mean()
-                if mean is not None:
-                    self._exchange.hand_over(key, mean, float(pending.weight))
+        self._hand_over_rest()
         result = self._exchange.finish(local_ok=local_ok)
         dense: dict[str, Tensor | None] = {}
         if self._dense:
@@ -276,6 +311,7 @@ class FactorCollector:
 
     def clear(self) -> None:
         """Drop what was captured since the last factor update."""
+        self._end_queued = False
         for pending in self._pending.values():
             pending.clear()
         self._capture.forget()

@@ -56,6 +56,7 @@ from spdkfac.sim.strategies import (
     Strategy,
     parse_strategies,
 )
+from spdkfac.sim.window import WINDOW_POLICIES, parse_comm_schedulers, window_policy
 from spdkfac.sim.workload import (
     FactorHook,
     GradReady,
@@ -74,6 +75,7 @@ __all__ = [
     "PRESETS",
     "SIM_MODEL_NAMES",
     "STRATEGY_TABLE",
+    "WINDOW_POLICIES",
     "Anchor",
     "Close",
     "Collective",
@@ -114,6 +116,7 @@ __all__ = [
     "measure_compute",
     "model_by_name",
     "paper_preset",
+    "parse_comm_schedulers",
     "parse_strategies",
     "rank_classes",
     "rank_programs",
@@ -123,6 +126,7 @@ __all__ = [
     "simulate_strategies",
     "simulate_strategy",
     "trace_workload",
+    "window_policy",
     "workload_for",
     "write_trace",
 ]

@@ -60,6 +60,7 @@ def _entry(run: SimulationRun, result: StrategyResult) -> dict[str, Any]:
         "factor_buckets": result.factor_buckets,
         "grad_buckets": result.grad_buckets,
         "factor_memory_bytes": result.factor_memory_bytes,
+        "comm_scheduler": result.comm_scheduler,
     }
 
 
@@ -68,8 +69,9 @@ def results_to_json(runs: Sequence[SimulationRun]) -> dict[str, Any]:
     and worker count simulated (in that order), each with its own ``model``,
     ``batch_size``, ``workers``, ``preset``, ``iteration_s`` (mean over the refresh
     cycle), ``breakdown`` (seconds per category), ``kinds`` (each distinct iteration of
-    the cycle), ``plan``, bucket counts and ``factor_memory_bytes`` (running factors and
-    inverses on the rank holding the most)."""
+    the cycle), ``plan``, bucket counts, ``factor_memory_bytes`` (running factors and
+    inverses on the rank holding the most) and ``comm_scheduler`` (the backward window's
+    scheduler, :mod:`spdkfac.sim.window`)."""
     document: dict[str, Any] = {}
     for run in runs:
         for name, result in run.results.items():
@@ -123,7 +125,9 @@ def markdown_report(runs: Sequence[SimulationRun], *, title: str, notes: Sequenc
             rule,
         ]
         for run in model_runs:
-            reference = run.results.get("d-kfac")
+            reference = run.results.get("d-kfac") or next(
+                (r for r in run.results.values() if r.strategy == "d-kfac"), None
+            )
             for name, result in run.results.items():
                 ratio = ""
                 if reference is not None and result.iteration_s > 0:

@@ -17,9 +17,11 @@ from spdkfac.sim.strategies import (
     Strategy,
     StrategySetup,
     factor_memory_bytes,
+    plan_summary,
     prepare,
 )
 from spdkfac.sim.timeline import JITTER_PHASES, build_iteration, rank_speeds
+from spdkfac.sim.window import window_policy
 from spdkfac.sim.workload import Workload
 from spdkfac.strategies import AUTO_CANDIDATES
 
@@ -90,6 +92,7 @@ class StrategyResult:
             to owners by an owner-computes strategy).
         factor_memory_bytes: Running factors and inverses on the rank holding the most
             (full float32 squares, as the real blocks store them; 0 for SGD).
+        comm_scheduler: The backward window's scheduler (:mod:`spdkfac.sim.window`).
     """
 
     strategy: str
@@ -102,6 +105,7 @@ class StrategyResult:
     factor_buckets: int | None
     grad_buckets: int
     factor_memory_bytes: int = 0
+    comm_scheduler: str = "fifo"
 
 
 def _cycle(factor_update_steps: int, inv_update_steps: int) -> dict[tuple[bool, bool], int]:
@@ -255,33 +259,6 @@ def _timeline(
     return sorted(events, key=lambda e: (e.rank, e.start, -e.duration))
 
 
-def _summary(setup: StrategySetup) -> str:
-    plan = setup.plan
-    assert plan is not None
-    if setup.owner_computes:
-        return _owners_summary(setup, plan)
-    communicated = sum(owner >= 0 for owner in plan.owners)
-    loads = plan.loads()
-    text = (
-        f"{plan.placement}: {communicated}/{len(plan.factors)} factors communicated in "
-        f"{len(setup.groups)} broadcast(s), max CT load {1000 * max(loads):.2f} ms, "
-        f"NCT {1000 * plan.replicated_seconds():.2f} ms"
-    )
-    return text
-
-
-def _owners_summary(setup: StrategySetup, plan: Plan) -> str:
-    counts: dict[int, int] = {}
-    for owner in setup.layer_owners.values():
-        counts[owner] = counts.get(owner, 0) + 1
-    return (
-        f"{plan.placement}: {len(setup.layer_owners)} layers on {len(counts)} owner(s) (at "
-        f"most {max(counts.values())} per rank), max inverse load "
-        f"{1000 * max(plan.loads()):.2f} ms, no inverse broadcast, gather in "
-        f"{len(counts)} broadcast(s)"
-    )
-
-
 def simulate_strategy(
     workload: Workload,
     hardware: Hardware,
@@ -291,20 +268,25 @@ def simulate_strategy(
     factor_update_steps: int = 1,
     inv_update_steps: int = 1,
     plan: Plan | None = None,
+    comm_scheduler: str = "fifo",
 ) -> StrategyResult:
     """Simulate ``strategy`` on ``world_size`` ranks of ``hardware``.
 
     Every distinct iteration of the refresh cycle (factor step or not, inverse step or
     not) is simulated once; each ends with every rank synchronised, so iterations are
     independent and the cycle's mean is their count-weighted mean. ``plan`` replaces the
-    strategy's inverse placement.
+    strategy's inverse placement; ``comm_scheduler`` orders the backward window's
+    gradient and factor buckets (:mod:`spdkfac.sim.window`; its schedule is appended to
+    the result's ``plan``; ``"fifo"`` keeps the row's own, e.g. ``spd-kfac+priority``'s).
 
     ``"auto"`` is the fastest of :data:`~spdkfac.strategies.AUTO_CANDIDATES` here (what
     ``strategy="auto"`` keeps after its trials, whose steps are not modelled).
 
     Raises:
-        ValueError: An unknown strategy, a world size < 1 or bad refresh intervals.
+        ValueError: An unknown strategy or ``comm_scheduler``, a world size < 1 or bad
+            refresh intervals.
     """
+    window_policy(comm_scheduler)
     if strategy == "auto":
         tried = [
             simulate_strategy(
@@ -315,6 +297,7 @@ def simulate_strategy(
                 factor_update_steps=factor_update_steps,
                 inv_update_steps=inv_update_steps,
                 plan=plan,
+                comm_scheduler=comm_scheduler,
             )
             for name in AUTO_CANDIDATES
         ]
@@ -325,6 +308,8 @@ def simulate_strategy(
         if strategy not in STRATEGY_TABLE:
             raise ValueError(f"unknown strategy {strategy!r}")
         strategy = STRATEGY_TABLE[strategy]
+    if comm_scheduler == "fifo":
+        comm_scheduler = strategy.comm_scheduler  # a ``+priority`` row keeps its own
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if world_size > MAX_WORKERS:
@@ -332,7 +317,8 @@ def simulate_strategy(
     counts = _cycle(factor_update_steps, inv_update_steps)
     if not strategy.uses_kfac:
         counts = {(False, False): 1}
-    setup = prepare(WorkloadCosts(workload, hardware, world_size), strategy, plan)
+    costs = WorkloadCosts(workload, hardware, world_size)
+    setup = prepare(costs, strategy, plan, comm_scheduler=comm_scheduler)
     kinds: list[IterationKind] = []
     timeline: list[Event] = []
     offset = 0.0
@@ -353,10 +339,11 @@ def simulate_strategy(
         breakdown=mean,
         kinds=tuple(kinds),
         events=tuple(timeline),
-        plan="" if setup.plan is None else _summary(setup),
+        plan=plan_summary(setup),
         factor_buckets=None if setup.fusion is None else len(setup.fusion.buckets),
         grad_buckets=len(setup.grad_buckets),
         factor_memory_bytes=factor_memory_bytes(setup),
+        comm_scheduler=comm_scheduler,
     )
 
 
@@ -368,6 +355,7 @@ def simulate_strategies(
     *,
     factor_update_steps: int = 1,
     inv_update_steps: int = 1,
+    comm_scheduler: str = "fifo",
 ) -> dict[int, dict[str, StrategyResult]]:
     """:func:`simulate_strategy` for every world size and strategy."""
     return {
@@ -379,6 +367,7 @@ def simulate_strategies(
                 name,
                 factor_update_steps=factor_update_steps,
                 inv_update_steps=inv_update_steps,
+                comm_scheduler=comm_scheduler,
             )
             for name in strategies
         }

@@ -14,6 +14,9 @@ A row with ``owner_computes`` (Osawa et al. 2019) is planned the same way with i
 placement policy (:func:`~spdkfac.placement.plan_layer_owners`: one owner per layer) and
 has no inverse broadcasts; :attr:`StrategySetup.layer_owners` says which rank owns each
 layer.
+
+``comm_scheduler`` (:mod:`spdkfac.sim.window`) plans the backward window's order with the
+runtime's planner: :attr:`StrategySetup.window` (None: ``"fifo"``, or no window).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from spdkfac.comm.fusion import FusionInputs, FusionPlan, FusionPolicy
+from spdkfac.comm.schedule import CommSchedule
 from spdkfac.inversion import BroadcastGroup, broadcast_groups
 from spdkfac.linalg import packed_size
 from spdkfac.placement import EVERY_RANK, FactorSpec, Plan, plan_inversions
 from spdkfac.sim.costs import WorkloadCosts
+from spdkfac.sim.window import window_policy
 from spdkfac.sim.workload import FactorHook, GradReady, Op
 from spdkfac.strategies import SGD, STRATEGIES, Strategy
 
@@ -37,6 +42,7 @@ __all__ = [
     "StrategySetup",
     "factor_memory_bytes",
     "parse_strategies",
+    "plan_summary",
     "prepare",
 ]
 
@@ -85,6 +91,10 @@ class StrategySetup:
         grad_buckets: DDP's gradient buckets (parameter names), in launch order.
         layer_owners: For an owner-computes strategy on more than one rank, layer name →
             the rank that owns it (from ``plan``); empty otherwise.
+        comm_scheduler: How the backward window's collectives are ordered
+            (:data:`~spdkfac.sim.window.WINDOW_POLICIES`).
+        window: The order of factor steps' gradient and factor chunks (None: none planned,
+            the buckets go as with ``"fifo"``).
     """
 
     strategy: Strategy
@@ -94,6 +104,8 @@ class StrategySetup:
     fusion: FusionPlan | None
     grad_buckets: tuple[tuple[str, ...], ...]
     layer_owners: Mapping[str, int] = field(default_factory=dict)
+    comm_scheduler: str = "fifo"
+    window: CommSchedule | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_owners", MappingProxyType(dict(self.layer_owners)))
@@ -198,16 +210,29 @@ def _first_hand_overs(costs: WorkloadCosts) -> tuple[dict[str, float], dict[str,
     return a_times, g_times
 
 
-def prepare(costs: WorkloadCosts, strategy: Strategy, plan: Plan | None = None) -> StrategySetup:
+def prepare(
+    costs: WorkloadCosts,
+    strategy: Strategy,
+    plan: Plan | None = None,
+    *,
+    comm_scheduler: str = "fifo",
+) -> StrategySetup:
     """Make the plans ``strategy`` runs with for ``costs``' workload and world size.
 
     ``plan`` replaces the strategy's inverse placement (for placements of your own; it
-    must cover every factor of the workload for this world size).
+    must cover every factor of the workload for this world size). ``comm_scheduler``
+    orders the backward window (:mod:`spdkfac.sim.window`).
+
+    Raises:
+        ValueError: A plan that does not fit, or an unknown ``comm_scheduler``.
     """
+    scheduler = window_policy(comm_scheduler)
     world_size = costs.world_size
     grad_buckets = _grad_buckets(costs) if world_size > 1 else ()
     if not strategy.uses_kfac:
-        return StrategySetup(strategy, costs, None, (), None, grad_buckets)
+        return StrategySetup(
+            strategy, costs, None, (), None, grad_buckets, comm_scheduler=comm_scheduler
+        )
     assert strategy.placement_policy is not None and strategy.fusion is not None
     cost_model = costs.hardware.cost_model(world_size)
     specs: list[FactorSpec] = []
@@ -232,7 +257,17 @@ def prepare(costs: WorkloadCosts, strategy: Strategy, plan: Plan | None = None) 
             minimum = cost_model.broadcast_group_elements() if strategy.fuse_broadcasts else 0
             groups = tuple(broadcast_groups(plan, {spec.key: None for spec in specs}, minimum))
         fusion = _fusion(costs, strategy.fusion)
-    return StrategySetup(strategy, costs, plan, groups, fusion, grad_buckets, owners)
+    return StrategySetup(
+        strategy,
+        costs,
+        plan,
+        groups,
+        fusion,
+        grad_buckets,
+        owners,
+        comm_scheduler=comm_scheduler,
+        window=scheduler.plan(costs, strategy, grad_buckets, fusion),
+    )
 
 
 def _layer_owners(plan: Plan) -> dict[str, int]:
@@ -276,3 +311,29 @@ def factor_memory_bytes(setup: StrategySetup) -> int:
     for name, owner in setup.layer_owners.items():
         loads[owner] = loads.get(owner, 0) + per_layer[name]
     return max(loads.values(), default=0)
+
+
+def plan_summary(setup: StrategySetup) -> str:
+    """One line for reports: the inverse placement and the window's schedule, where there
+    are ("" for SGD with no window)."""
+    lines = [] if setup.plan is None else [_placement_summary(setup, setup.plan)]
+    return "; ".join(lines + ([] if setup.window is None else [setup.window.describe()]))
+
+
+def _placement_summary(setup: StrategySetup, plan: Plan) -> str:
+    if setup.owner_computes:
+        counts: dict[int, int] = {}
+        for owner in setup.layer_owners.values():
+            counts[owner] = counts.get(owner, 0) + 1
+        return (
+            f"{plan.placement}: {len(setup.layer_owners)} layers on {len(counts)} owner(s) (at "
+            f"most {max(counts.values())} per rank), max inverse load "
+            f"{1000 * max(plan.loads()):.2f} ms, no inverse broadcast, gather in "
+            f"{len(counts)} broadcast(s)"
+        )
+    communicated = sum(owner >= 0 for owner in plan.owners)
+    return (
+        f"{plan.placement}: {communicated}/{len(plan.factors)} factors communicated in "
+        f"{len(setup.groups)} broadcast(s), max CT load {1000 * max(plan.loads()):.2f} ms, "
+        f"NCT {1000 * plan.replicated_seconds():.2f} ms"
+    )

@@ -48,10 +48,18 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+from spdkfac.comm.schedule import FACTORS, GRADIENTS
 from spdkfac.linalg import packed_size
 from spdkfac.placement import EVERY_RANK
 from spdkfac.profiling import Phase, phase_of, span_name
-from spdkfac.sim.builder import IterationBuilder, Launcher, factor_channel, issue
+from spdkfac.sim.builder import (
+    BucketLauncher,
+    IterationBuilder,
+    Launcher,
+    ScheduledWindow,
+    factor_channel,
+    issue,
+)
 from spdkfac.sim.collectives import CollectiveOp
 from spdkfac.sim.owners import (
     OwnerCollectives,
@@ -66,13 +74,18 @@ from spdkfac.sim.workload import FactorHook, GradReady, Op
 __all__ = ["build_iteration"]
 
 
-def _passes(
-    builder: IterationBuilder, factor_step: bool, out: list[Instruction]
-) -> Launcher | None:
-    """Forward and backward; returns the factor buckets' launcher (None: no exchange)."""
-    setup, costs = builder.setup, builder.costs
-    workload = costs.workload
+def _launchers(
+    builder: IterationBuilder, kfac: bool
+) -> tuple[BucketLauncher, BucketLauncher | None]:
+    """The gradient buckets' launcher and the factor buckets' (None: no exchange)."""
+    setup, workload = builder.setup, builder.costs.workload
     multi = builder.world_size > 1
+    fusion = setup.fusion
+    if kfac and multi and fusion is not None and setup.window is not None:
+        window = ScheduledWindow(
+            builder, setup.window, {GRADIENTS: setup.grad_buckets, FACTORS: fusion.buckets}
+        )
+        return window.stream(GRADIENTS), window.stream(FACTORS)
     numel = dict(workload.parameters)
     if setup.owner_computes:
         grad_ids = grad_bucket_collectives(builder)
@@ -89,28 +102,38 @@ def _passes(
             for index, bucket in enumerate(setup.grad_buckets)
         ]
     grads = Launcher(builder, setup.grad_buckets, grad_ids)
+    if not kfac or not multi or fusion is None:
+        return grads, None
+    channel = factor_channel(builder)
+    dims = {f"{layer.name}/A": layer.a_dim for layer in workload.layers}
+    dims |= {f"{layer.name}/G": layer.g_dim for layer in workload.layers}
+    if setup.owner_computes:  # owners receive only their layers' factors
+        factor_ids = factor_bucket_collectives(builder, channel)
+    else:
+        factor_ids = [
+            (
+                builder.collective(
+                    f"factor bucket {index}",
+                    channel,
+                    CollectiveOp.ALL_REDUCE,
+                    4.0 * sum(packed_size(dims[key]) for key in bucket),
+                ),
+            )
+            for index, bucket in enumerate(fusion.buckets)
+        ]
+    return grads, Launcher(builder, fusion.buckets, factor_ids)
+
+
+def _passes(
+    builder: IterationBuilder, factor_step: bool, out: list[Instruction]
+) -> BucketLauncher | None:
+    """Forward and backward; returns the factor buckets' launcher (None: no exchange)."""
+    setup, costs = builder.setup, builder.costs
+    workload = costs.workload
+    multi = builder.world_size > 1
     kfac = factor_step and setup.strategy.uses_kfac
-    factors: Launcher | None = None
     fusion = setup.fusion
-    if kfac and multi and fusion is not None:
-        channel = factor_channel(builder)
-        dims = {f"{layer.name}/A": layer.a_dim for layer in workload.layers}
-        dims |= {f"{layer.name}/G": layer.g_dim for layer in workload.layers}
-        if setup.owner_computes:  # owners receive only their layers' factors
-            factor_ids = factor_bucket_collectives(builder, channel)
-        else:
-            factor_ids = [
-                (
-                    builder.collective(
-                        f"factor bucket {index}",
-                        channel,
-                        CollectiveOp.ALL_REDUCE,
-                        4.0 * sum(packed_size(dims[key]) for key in bucket),
-                    ),
-                )
-                for index, bucket in enumerate(fusion.buckets)
-            ]
-        factors = Launcher(builder, fusion.buckets, factor_ids)
+    grads, factors = _launchers(builder, kfac)
     pending = 0.0
     handed: set[str] = set()
     out.append(Open(span_name(Phase.FORWARD_BACKWARD)))
@@ -147,7 +170,9 @@ def _passes(
     return factors
 
 
-def _factor_wait(builder: IterationBuilder, factors: Launcher, out: list[Instruction]) -> None:
+def _factor_wait(
+    builder: IterationBuilder, factors: BucketLauncher, out: list[Instruction]
+) -> None:
     """The rest of the factor buckets, the weights all-reduce and the wait for all."""
     layers = builder.costs.workload.layers
     channel = factor_channel(builder)
@@ -160,7 +185,7 @@ def _factor_wait(builder: IterationBuilder, factors: Launcher, out: list[Instruc
 
 
 def _factor_phase(
-    builder: IterationBuilder, factors: Launcher | None, out: list[Instruction]
+    builder: IterationBuilder, factors: BucketLauncher | None, out: list[Instruction]
 ) -> None:
     costs = builder.costs
     if factors is not None:

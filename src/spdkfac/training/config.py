@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from spdkfac.checks import check_choice, check_int, check_number
+from spdkfac.comm.schedule import COMM_SCHEDULERS
 from spdkfac.forms import FORM_METHODS
 from spdkfac.layers.batchnorm import BATCHNORM_MODES
 from spdkfac.models import BUILTIN_MODEL_NAMES, TORCHVISION_PREFIX, ModelKind, model_kind
@@ -113,6 +114,7 @@ class TrainConfig:
     lr_schedule_steps: int | None = None
     strategy: str = "spd-kfac"
     inverse_method: str = "cholesky"
+    comm_scheduler: str = "fifo"
     damping: float = 0.1
     damping_initial: float | None = None
     damping_warmup_steps: int = 0
@@ -148,6 +150,7 @@ class TrainConfig:
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         check_choice("strategy", self.strategy, STRATEGY_NAMES)
         check_choice("inverse_method", self.inverse_method, FORM_METHODS)
+        check_choice("comm_scheduler", self.comm_scheduler, COMM_SCHEDULERS)
         check_choice("batchnorm", self.batchnorm, BATCHNORM_CURVATURES)
         check_number("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
         for name in ("epochs", "batch_size", "accumulation_steps", "image_size", "seq_len",

@@ -229,6 +229,7 @@ def make_optimizers(
         optimizer=optimizer,
         strategy=config.strategy,
         inverse_method=config.inverse_method,
+        comm_scheduler=config.comm_scheduler,
         accumulation_steps=config.accumulation_steps,
         batchnorm=None if config.batchnorm == "off" else config.batchnorm,
         batchnorm_damping_multiplier=config.batchnorm_damping_multiplier,
