@@ -55,7 +55,7 @@ BATCHNORM_CURVATURES: tuple[str, ...] = ("off", *BATCHNORM_MODES)
 RESUMABLE_CHANGES: frozenset[str] = frozenset(
     {"epochs", "max_steps", "out_dir", "resume", "checkpoint_every", "threads",
      "tensorboard", "target_accuracy", "data", "config", "collective_timeout",
-     "eval_every", "evals_per_epoch"}
+     "eval_every", "evals_per_epoch", "comm_scheduler"}
 )  # fmt: skip
 
 
