@@ -14,7 +14,7 @@ from spdkfac.calibrate.timing import median_seconds
 from spdkfac.comm import Communicator
 from spdkfac.costmodel import AlphaBetaModel, CostModel, PolynomialInverseModel
 from spdkfac.curvature import discover_layers
-from spdkfac.linalg import is_finite, packed_size, unpack_triu
+from spdkfac.linalg import all_finite, packed_size
 
 __all__ = [
     "MESSAGE_SIZES",
@@ -41,23 +41,23 @@ def factor_dims(model: nn.Module) -> list[int]:
 
 
 def unpack_seconds(model: nn.Module, repeats: int = 3) -> float:
-    """Host time the factor exchange spends per step rebuilding the model's factors.
+    """Host time the factor exchange spends per step on the reduced factors.
 
-    After the all-reduce, every factor's packed triangle is scaled, unpacked to a full
-    matrix and checked for finiteness inside the exchange's ``wait()``, so the profiler
+    After the all-reduce, every factor's packed triangle is divided by its weight (into a
+    new tensor) and the results are checked for finiteness inside the exchange's
+    ``wait()`` (:meth:`~spdkfac.comm.exchange.FactorExchange.result`), so the profiler
     counts that compute as ``FactorComm``; no fusion policy can hide it. This times the
-    same operations once per factor (median of ``repeats``), for the report to subtract.
+    same operations on every factor of the model (median of ``repeats``), for the report to
+    subtract. (The name is older than packed running factors: the exchange used to unpack
+    every factor here.)
     """
-    per_dim: dict[int, float] = {}
     cpu = torch.device("cpu")
-    for dim in sorted(set(_all_dims(model))):
-        packed = torch.ones(packed_size(dim))
+    packed = [torch.ones(packed_size(dim)) for dim in _all_dims(model)]
 
-        def rebuild(packed: torch.Tensor = packed, dim: int = dim) -> None:
-            is_finite(unpack_triu(packed.div_(1.0), dim))
+    def scale_and_check() -> None:
+        all_finite([triangle.div(1.0) for triangle in packed])
 
-        per_dim[dim] = median_seconds(rebuild, repeats, cpu)
-    return sum(per_dim[dim] for dim in _all_dims(model))
+    return median_seconds(scale_and_check, repeats, cpu)
 
 
 def fit_live_cost_model(
