@@ -126,7 +126,8 @@ class KFACConfig:
         factor_options: How factors are computed (method, compute dtype); see
             :class:`~spdkfac.layers.FactorOptions`.
         factor_exchange: Overrides the strategy's fusion policy (``"after-backward"``,
-            ``"layerwise"``, ``"threshold"`` or ``"optimal"``); None keeps the strategy's.
+            ``"layerwise"``, ``"threshold"``, ``"optimal"`` or ``"dp"``); None keeps the
+            strategy's.
         bucket_cap_mb: Bucket cap of the ``threshold`` and ``after-backward`` policies.
         fusion_warmup_steps: Factor steps measured before the ``optimal`` plan is made.
         comm_scheduler: ``"fifo"`` (gradient and factor buckets on separate process
