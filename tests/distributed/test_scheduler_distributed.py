@@ -99,11 +99,17 @@ def _train(
     return {"grads": grads(model), "params": params(model), "planned": planned}
 
 
+def _cases(world_size: int) -> tuple[tuple[str | None, str | None, int, bool], ...]:
+    """Every case at 2 ranks; at 3 (gloo's ring adds in another order when chunked) the
+    all-reduce and the reduce-scatter exchanges, to keep the suite fast."""
+    return CASES if world_size == 2 else (CASES[0], CASES[2])
+
+
 def _worker(rank: int, world_size: int) -> list[tuple[dict[str, object], dict[str, object]]]:
     scheduler_module.chunk_elements_for = lambda *args, **kwargs: 5  # type: ignore[assignment]
     return [
         (_train(rank, world_size, c, "fifo"), _train(rank, world_size, c, "priority"))
-        for c in CASES
+        for c in _cases(world_size)
     ]
 
 
@@ -111,7 +117,7 @@ def _worker(rank: int, world_size: int) -> list[tuple[dict[str, object], dict[st
 def test_priority_equals_fifo(world_size: int) -> None:
     results = run_distributed(_worker, world_size, timeout=240)
     for rank, cases in enumerate(results):
-        for case, (fifo, priority) in zip(CASES, cases, strict=True):
+        for case, (fifo, priority) in zip(_cases(world_size), cases, strict=True):
             assert priority["planned"] >= 3, (rank, case, priority["planned"])
             for key in ("grads", "params"):
                 for name, value in fifo[key].items():  # type: ignore[union-attr]
