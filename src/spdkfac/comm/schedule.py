@@ -143,10 +143,23 @@ class CommSchedule:
     order: tuple[tuple[str, int, int], ...]
     predicted_end: float
 
+    def __post_init__(self) -> None:
+        # Per stream, elements by call index: read on every call and chunk at run time.
+        by_stream = {
+            stream: tuple(
+                c.elements
+                for c in sorted(
+                    (c for c in self.calls if c.stream == stream), key=lambda c: c.index
+                )
+            )
+            for stream in STREAMS
+        }
+        object.__setattr__(self, "_sizes", by_stream)
+
     def sizes(self, stream: str) -> tuple[int, ...]:
         """Elements of each call of ``stream``, by index."""
-        calls = sorted((c for c in self.calls if c.stream == stream), key=lambda c: c.index)
-        return tuple(c.elements for c in calls)
+        sizes: dict[str, tuple[int, ...]] = getattr(self, "_sizes")  # noqa: B009
+        return sizes[stream]
 
     def describe(self) -> str:
         """One line for logs and reports."""

@@ -2,7 +2,7 @@
 
 A :class:`CommScheduler` owns a dedicated group. During a *window* (a backward pass whose
 factor buckets are pipelined, :mod:`spdkfac.comm.schedule`), the gradient and factor streams
-hand their collectives to it through :class:`ScheduledStream` (a
+hand their collectives to it through :class:`~spdkfac.comm.streams.ScheduledStream` (a
 :class:`~spdkfac.comm.base.Communicator`), and one dispatcher thread issues their chunks
 in the :class:`~spdkfac.comm.schedule.CommSchedule`'s order, at most ``credits`` chunks in
 flight: a chunk waits locally for its data, never for another rank's clock. Everything
@@ -37,9 +37,10 @@ from spdkfac.comm.schedule import (
     chunk_elements_for,
     plan_priority,
 )
+from spdkfac.comm.streams import ScheduledStream
 from spdkfac.costmodel import AlphaBetaModel
 
-__all__ = ["CommScheduler", "ScheduledStream"]
+__all__ = ["CommScheduler"]
 
 #: Windows recorded before a schedule is planned (their median readiness times).
 DEFAULT_RECORDED_WINDOWS = 3
@@ -375,59 +376,3 @@ class CommScheduler:
                     call.completed = True
                     failure = RuntimeError(f"spdkfac: the communication scheduler failed: {error}")
                     call.future.set_exception(failure)  # type: ignore[arg-type]
-
-
-class ScheduledStream:
-    """A stream's :class:`~spdkfac.comm.base.Communicator`: all-reduces and
-    reduce-scatters of a planned window go through the scheduler, everything else (and
-    every call outside one) to ``fifo``."""
-
-    def __init__(self, scheduler: CommScheduler, name: str, fifo: Communicator) -> None:
-        self._scheduler = scheduler
-        self._name = name
-        self._fifo = fifo
-
-    @property
-    def rank(self) -> int:
-        return self._fifo.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._fifo.world_size
-
-    @property
-    def device(self) -> torch.device:
-        return self._fifo.device
-
-    def all_reduce_sum(self, tensor: Tensor) -> Future[Tensor]:
-        index = self._scheduler.admit(self._name, tensor.numel())
-        if index is None:
-            return self._fifo.all_reduce_sum(tensor)
-        return self._scheduler.enqueue(self._name, index, [(tensor.view(-1), None)], tensor)
-
-    def all_reduce_average(self, tensor: Tensor) -> Future[Tensor]:
-        world = self.world_size
-        return self.all_reduce_sum(tensor).then(lambda done: done.value().div_(world))
-
-    def all_reduce_max(self, tensor: Tensor) -> Future[Tensor]:
-        return self._fifo.all_reduce_max(tensor)
-
-    def broadcast(self, tensor: Tensor, src: int) -> Future[Tensor]:
-        return self._fifo.broadcast(tensor, src)
-
-    def all_gather(self, tensor: Tensor) -> Future[list[Tensor]]:
-        return self._fifo.all_gather(tensor)
-
-    def reduce_scatter(self, chunks: Sequence[Tensor]) -> Future[Tensor]:
-        if len(chunks) != self.world_size:
-            return self._fifo.reduce_scatter(chunks)  # let it raise its error
-        index = self._scheduler.admit(self._name, sum(chunk.numel() for chunk in chunks))
-        if index is None:
-            return self._fifo.reduce_scatter(chunks)
-        segments: list[tuple[Tensor, int | None]] = [
-            (chunk.view(-1), owner) for owner, chunk in enumerate(chunks) if chunk.numel()
-        ]
-        return self._scheduler.enqueue(self._name, index, segments, chunks[self.rank])
-
-    def duplicate(self) -> Communicator:
-        return self._fifo.duplicate()
