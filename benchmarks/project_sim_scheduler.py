@@ -5,7 +5,9 @@ workers, on the ``paper`` and ``eth10`` presets; factors and inverses refreshed 
 and amortised (factors every 10 steps, inverses every 100). ``fifo`` is the simulator's
 usual model (gradient and factor buckets on two channels sharing the link); ``priority``
 orders the window's chunks with :func:`spdkfac.comm.schedule.plan_priority`
-(:mod:`spdkfac.sim.window`). Every number is simulated.
+(:mod:`spdkfac.sim.window`); ``dp+priority`` also merges the factors with the exact dynamic
+program around the gradient chunks (the bench row ``fusion:dp+priority``). Every number is
+simulated.
 
     python benchmarks/project_sim_scheduler.py --out benchmarks/reports/sim_scheduler.md
 """
@@ -28,7 +30,12 @@ from spdkfac.sim.window import BYTES_PER_ELEMENT
 MODELS = ("resnet50", "resnet152", "densenet201")
 SIM_PRESETS = ("paper", "eth10")
 WORKERS = (8, 64)
-SCHEDULERS = ("fifo", "priority")
+#: Column label -> (strategy row, comm_scheduler); the first is the baseline of Δ.
+SCHEDULERS = {
+    "fifo": ("spd-kfac", "fifo"),
+    "priority": ("spd-kfac", "priority"),
+    "dp+priority": ("fusion:dp+priority", "priority"),
+}
 #: (factor, inverse) refresh intervals: every step, and amortised.
 INTERVALS = ((1, 1), (10, 100))
 COLUMNS = ("GradComm", "FactorComm")
@@ -100,17 +107,16 @@ the window's largest bucket travels on), the link time of the window's all-reduc
 end of the window the plan predicts, from the start of the forward pass."""
 
 
-def _simulate(
-    model: str, preset: str, workers: int, scheduler: str
-) -> tuple[StrategyResult, Kinds]:
-    """SPD-KFAC with every kind of iteration at once (factors every 2 steps, inverses
-    every 4), amortised afterwards by :func:`project_sim_scale._amortised`."""
+def _simulate(model: str, preset: str, workers: int, label: str) -> tuple[StrategyResult, Kinds]:
+    """A column's row with every kind of iteration at once (factors every 2 steps,
+    inverses every 4), amortised afterwards by :func:`project_sim_scale._amortised`."""
+    strategy, scheduler = SCHEDULERS[label]
     workload = workload_for(model, batch_size=PAPER_TABLE_III[model][0])
     result = simulate_strategy(
         workload,
         PRESETS[preset](),
         workers,
-        "spd-kfac",
+        strategy,
         factor_update_steps=2,
         inv_update_steps=4,
         comm_scheduler=scheduler,
@@ -136,8 +142,8 @@ def _run() -> dict[Key, tuple[StrategyResult, Kinds]]:
     return results
 
 
-def _change(fifo: float, priority: float) -> str:
-    return f"{_ms(fifo)} → {_ms(priority)}"
+def _change(*values: float) -> str:
+    return " → ".join(_ms(value) for value in values)
 
 
 def _table(results: dict[Key, tuple[StrategyResult, Kinds]], preset: str) -> list[str]:
@@ -150,13 +156,16 @@ def _table(results: dict[Key, tuple[StrategyResult, Kinds]], preset: str) -> lis
         for workers in WORKERS:
             cells = [model, str(workers)]
             for factor, inverse in INTERVALS:
-                fifo, priority = (
+                runs = [
                     _amortised(results[model, preset, workers, s][1], factor, inverse)
                     for s in SCHEDULERS
-                )
-                delta = (priority[0] - fifo[0]) / fifo[0]
-                cells += [_change(fifo[0], priority[0]), f"{100 * delta:+.1f} %"]
-                cells += [_change(fifo[1][c], priority[1][c]) for c in COLUMNS]
+                ]
+                base = runs[0][0]
+                cells += [
+                    _change(*(run[0] for run in runs)),
+                    " / ".join(f"{100 * (run[0] - base) / base:+.1f} %" for run in runs[1:]),
+                ]
+                cells += [_change(*(run[1][c] for run in runs)) for c in COLUMNS]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -212,9 +221,12 @@ def main() -> int:
         f"({time.perf_counter() - started:.0f} s on this project's 2-core machine)  ",
         "Every number below is **simulated** (`spdkfac.sim`), not measured. Batch per worker: "
         + ", ".join(f"{m} {PAPER_TABLE_III[m][0]}" for m in MODELS)
-        + " (the SPD-KFAC paper's). Cells read fifo → priority, in ms per iteration "
-        "(breakdown columns: time ranks wait, averaged over ranks); Δ is the iteration's "
-        "change with priority. 1/1: factors and inverses every step; 10/100: factors every "
+        + " (the SPD-KFAC paper's). Cells read "
+        + " → ".join(SCHEDULERS)
+        + ", in ms per iteration (breakdown columns: time ranks wait, averaged over ranks); "
+        f"Δ is the iteration's change against {next(iter(SCHEDULERS))} ("
+        + " / ".join(list(SCHEDULERS)[1:])
+        + "). 1/1: factors and inverses every step; 10/100: factors every "
         "10 steps, inverses every 100, amortised over the cycle.",
         "",
     ]

@@ -230,6 +230,14 @@ STRATEGIES: Mapping[str, Strategy] = MappingProxyType(
             factor_exchange="optimal",
             comm_scheduler="priority",
         ),
+        "fusion:dp+priority": compose(
+            "fusion:dp+priority",
+            "spd-kfac",
+            "SPD-KFAC placement, the exact DP merge planned around the priority scheduler's "
+            "gradient chunks",
+            factor_exchange="dp",
+            comm_scheduler="priority",
+        ),
         **{
             f"fusion:{policy}": compose(
                 f"fusion:{policy}",

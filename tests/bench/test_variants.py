@@ -29,6 +29,11 @@ def test_table_builds_the_expected_kwargs() -> None:
             "factor_exchange": "optimal",
             "comm_scheduler": "priority",
         },
+        "fusion:dp+priority": {
+            "strategy": "spd-kfac",
+            "factor_exchange": "dp",
+            "comm_scheduler": "priority",
+        },
         "fusion:after-backward": {"strategy": "spd-kfac", "factor_exchange": "after-backward"},
         "fusion:layerwise": {"strategy": "spd-kfac", "factor_exchange": "layerwise"},
         "fusion:threshold": {"strategy": "spd-kfac", "factor_exchange": "threshold"},

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from merge_cases import all_splits, random_stream
 from spdkfac.comm.fusion import (
     FusionPlan,
     communication_starts,
@@ -96,34 +97,13 @@ def test_plan_validation() -> None:
         plan_threshold(["a"], ["b"], {"a": 1, "b": 1}, 0)
 
 
-def _random_stream(seed: int, count: int) -> tuple[list[str], dict[str, int], list[float]]:
-    rng = random.Random(seed)
-    order = [f"s{i}" for i in range(count)]
-    sizes = {key: rng.choice([10, 100, 1_000, 50_000, 400_000]) for key in order}
-    ready = sorted(rng.uniform(0.0, 0.02) for _ in order)
-    return order, sizes, ready
-
-
-def _all_splits(order: list[str]) -> list[list[tuple[str, ...]]]:
-    splits = []
-    for mask in range(2 ** (len(order) - 1)):
-        groups, current = [], [order[0]]
-        for index, key in enumerate(order[1:]):
-            if mask >> index & 1:
-                groups.append(tuple(current))
-                current = []
-            current.append(key)
-        splits.append([*groups, tuple(current)])
-    return splits
-
-
 def test_dp_merge_is_the_best_split_and_never_worse_than_eq15() -> None:
     from spdkfac.comm.merge import groups_end, merge_dp, merge_groups
 
     model = AlphaBetaModel(alpha=5e-4, beta=8e-9)
     for seed in range(40):
-        order, sizes, ready = _random_stream(seed, 2 + seed % 7)
-        best = min(groups_end(g, order, sizes, ready, model) for g in _all_splits(order))
+        order, sizes, ready = random_stream(seed, 2 + seed % 7)
+        best = min(groups_end(g, order, sizes, ready, model) for g in all_splits(order))
         groups = merge_dp(order, sizes, ready, model)
         assert [key for group in groups for key in group] == order
         assert groups_end(groups, order, sizes, ready, model) == pytest.approx(best)

@@ -31,7 +31,7 @@ from tiny_models import conv_net
 STEPS = 7
 #: (strategy, factor_exchange, accumulation_steps, skip the side layer on rank 1) per case.
 CASES = (
-    ("spd-kfac", None, 1, False),
+    ("spd-kfac", "dp", 1, False),  # dp plans around the recorded gradient calls
     ("spd-kfac", "layerwise", 2, False),
     ("osawa-pipelined", None, 1, False),
     ("spd-kfac", "threshold", 1, True),

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 
 from spdkfac.cli.main import main
+from spdkfac.comm.fusion import FUSION_POLICIES, FusionInputs, FusionPlan, plan_dp
 from spdkfac.comm.schedule import (
     COMM_SCHEDULERS,
     FACTORS,
@@ -35,7 +36,7 @@ from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.program import Instruction, Issue
 from spdkfac.sim.strategies import STRATEGY_TABLE, StrategySetup, prepare
 from spdkfac.sim.timeline import build_iteration
-from spdkfac.sim.window import chunk_line, window_calls
+from spdkfac.sim.window import PriorityWindow, chunk_line, nominal_ready_times, window_calls
 
 #: α 10 µs, β 10 ns/byte: chunks of chunk_elements_for's floor, 16,384 elements (655 µs).
 LINK = (1e-5, 1e-8)
@@ -247,3 +248,46 @@ def test_cli_labels_the_priority_results(capsys: pytest.CaptureFixture[str]) -> 
     document = json.loads(capsys.readouterr().out)
     assert list(document) == ["spd-kfac", "spd-kfac+priority"]
     assert [document[k]["runs"][0]["comm_scheduler"] for k in document] == ["fifo", "priority"]
+
+
+def test_a_dp_fusion_plans_around_the_simulated_gradient_chunks(
+    two_layers: Workload, round_hardware: Hardware
+) -> None:
+    """Under ``"priority"`` a policy with ``around_gradients`` (``dp``) is given the link
+    intervals of the window's gradient chunks, on the clock of the factors' hand-overs
+    (from the step's first); under ``"fifo"`` nothing."""
+    seen: list[FusionInputs] = []
+
+    @dataclass(frozen=True)
+    class Spy:
+        name: str = "spy"
+        eager: bool = True
+        measured: bool = True
+        around_gradients: bool = True
+
+        def plan(self, inputs: FusionInputs) -> FusionPlan:
+            seen.append(inputs)
+            return FUSION_POLICIES["dp"].plan(inputs)
+
+    costs = WorkloadCosts(two_layers, round_hardware, 2)
+    strategy = replace(STRATEGY_TABLE["spd-kfac"], fusion=Spy())
+    prepare(costs, strategy, comm_scheduler="fifo")
+    assert seen[-1].busy == () and seen[-1].chunk_elements is None
+    setup = prepare(costs, strategy, comm_scheduler="priority")
+    inputs = seen[-1]
+    busy, chunk = PriorityWindow().gradient_busy(costs, strategy, setup.grad_buckets)
+    assert busy and inputs.chunk_elements == chunk
+    assert inputs.a_ready is not None and inputs.g_ready is not None
+    origin = nominal_ready_times(costs)["fc1/A"]  # the first hand-over
+    assert min(inputs.a_ready) == 0.0
+    assert [pytest.approx(i) for i in inputs.busy] == [(s - origin, e - origin) for s, e in busy]
+    assert setup.fusion == plan_dp(
+        inputs.a_order,
+        inputs.g_order,
+        inputs.sizes,
+        inputs.a_ready,
+        inputs.g_ready,
+        inputs.allreduce,
+        busy=inputs.busy,
+        chunk_elements=chunk,
+    )

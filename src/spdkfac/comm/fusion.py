@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Protocol
+from typing import Any, Protocol
 
-from spdkfac.comm.merge import communication_starts, merge_dp, merge_groups
+from spdkfac.comm.merge import Busy, communication_starts, merge_dp, merge_groups
 from spdkfac.costmodel import AlphaBetaModel
 
 __all__ = [
@@ -133,11 +133,12 @@ def _plan_merged(
     g_ready: Sequence[float],
     model: AlphaBetaModel,
     bytes_per_element: int,
+    **options: Any,
 ) -> FusionPlan:
     """``merge`` on A (forward order) and G (backward order), buckets launched eagerly."""
     _check_order(a_order, g_order)
-    buckets = merge(a_order, sizes, a_ready, model, bytes_per_element) + merge(
-        g_order, sizes, g_ready, model, bytes_per_element
+    buckets = merge(a_order, sizes, a_ready, model, bytes_per_element, **options) + merge(
+        g_order, sizes, g_ready, model, bytes_per_element, **options
     )
     return FusionPlan(policy, tuple(buckets), eager=True)
 
@@ -169,10 +170,25 @@ def plan_dp(
     g_ready: Sequence[float],
     model: AlphaBetaModel,
     bytes_per_element: int = 4,
+    *,
+    busy: Busy = (),
+    chunk_elements: int | None = None,
 ) -> FusionPlan:
-    """:func:`~spdkfac.comm.merge.merge_dp` on A and G, like ``optimal``."""
+    """:func:`~spdkfac.comm.merge.merge_dp` on A and G, like ``optimal``; around the
+    gradient chunks of a priority schedule when ``busy`` holds them (``a_ready``,
+    ``g_ready`` and ``busy`` then share one clock)."""
     return _plan_merged(
-        "dp", merge_dp, a_order, g_order, sizes, a_ready, g_ready, model, bytes_per_element
+        "dp",
+        merge_dp,
+        a_order,
+        g_order,
+        sizes,
+        a_ready,
+        g_ready,
+        model,
+        bytes_per_element,
+        busy=busy,
+        chunk_elements=chunk_elements,
     )
 
 
@@ -188,7 +204,12 @@ class FusionInputs:
         allreduce: All-reduce cost ``α + β·bytes`` (the ``optimal`` policy's oracle).
         bytes_per_element: Bytes of one communicated element.
         a_ready: Measured hand-over time of each A slot in ``a_order`` (rank 0's, shared),
-            or None before any measurement; likewise ``g_ready`` for ``g_order``.
+            or None before any measurement; likewise ``g_ready`` for ``g_order``. Seconds
+            from the pass's first hand-over.
+        busy: Link intervals held by more urgent traffic on the same clock: the gradient
+            chunks a priority schedule sends first (``comm_scheduler="priority"``; empty
+            otherwise). Policies with ``around_gradients`` plan around them.
+        chunk_elements: Elements per chunk of that schedule (None: calls are not cut).
     """
 
     a_order: tuple[str, ...]
@@ -199,6 +220,8 @@ class FusionInputs:
     bytes_per_element: int = 4
     a_ready: tuple[float, ...] | None = None
     g_ready: tuple[float, ...] | None = None
+    busy: tuple[tuple[float, float], ...] = ()
+    chunk_elements: int | None = None
 
 
 class FusionPolicy(Protocol):
@@ -210,6 +233,8 @@ class FusionPolicy(Protocol):
             never interleave with DDP's gradient all-reduces).
         measured: The plan needs measured hand-over times (``inputs.a_ready``); until the
             first measurements the policy plans without them.
+        around_gradients: The plan uses ``inputs.busy`` (the gradient chunks of a priority
+            schedule), so the preconditioner measures them before planning.
     """
 
     @property
@@ -220,6 +245,9 @@ class FusionPolicy(Protocol):
 
     @property
     def measured(self) -> bool: ...
+
+    @property
+    def around_gradients(self) -> bool: ...
 
     def plan(self, inputs: FusionInputs) -> FusionPlan:
         """The buckets for ``inputs``."""
@@ -233,6 +261,7 @@ class AfterBackward:
     name: str = "after-backward"
     eager: bool = False
     measured: bool = False
+    around_gradients: bool = False
 
     def plan(self, inputs: FusionInputs) -> FusionPlan:
         return plan_after_backward(
@@ -247,6 +276,7 @@ class Layerwise:
     name: str = "layerwise"
     eager: bool = True
     measured: bool = False
+    around_gradients: bool = False
 
     def plan(self, inputs: FusionInputs) -> FusionPlan:
         return plan_layerwise(inputs.a_order, inputs.g_order)
@@ -259,6 +289,7 @@ class ThresholdFusion:
     name: str = "threshold"
     eager: bool = True
     measured: bool = False
+    around_gradients: bool = False
 
     def plan(self, inputs: FusionInputs) -> FusionPlan:
         return plan_threshold(
@@ -266,7 +297,9 @@ class ThresholdFusion:
         )
 
 
-def _measured_plan(inputs: FusionInputs, planner: Callable[..., FusionPlan]) -> FusionPlan:
+def _measured_plan(
+    inputs: FusionInputs, planner: Callable[..., FusionPlan], **options: Any
+) -> FusionPlan:
     """``planner`` on the measured hand-over times; :class:`ThresholdFusion`'s plan until
     there are some (what the preconditioner runs during the warm-up factor steps)."""
     if inputs.a_ready is None or inputs.g_ready is None:
@@ -279,6 +312,7 @@ def _measured_plan(inputs: FusionInputs, planner: Callable[..., FusionPlan]) -> 
         inputs.g_ready,
         inputs.allreduce,
         inputs.bytes_per_element,
+        **options,
     )
 
 
@@ -290,6 +324,7 @@ class OptimalFusion:
     name: str = "optimal"
     eager: bool = True
     measured: bool = True
+    around_gradients: bool = False
 
     def plan(self, inputs: FusionInputs) -> FusionPlan:
         return _measured_plan(inputs, plan_optimal)
@@ -298,15 +333,19 @@ class OptimalFusion:
 @dataclass(frozen=True)
 class DPFusion:
     """The exact merge of :func:`~spdkfac.comm.merge.merge_dp` (PACE's dynamic program on
-    Eq. 15's timeline); planned as :class:`ThresholdFusion` until hand-over times are
+    Eq. 15's timeline, or on the priority schedule's when ``inputs.busy`` holds its
+    gradient chunks); planned as :class:`ThresholdFusion` until hand-over times are
     measured."""
 
     name: str = "dp"
     eager: bool = True
     measured: bool = True
+    around_gradients: bool = True
 
     def plan(self, inputs: FusionInputs) -> FusionPlan:
-        return _measured_plan(inputs, plan_dp)
+        return _measured_plan(
+            inputs, plan_dp, busy=inputs.busy, chunk_elements=inputs.chunk_elements
+        )
 
 
 #: Every fusion policy by the name ``factor_exchange=`` takes.

@@ -1,16 +1,49 @@
 """Merge rules of the fusion planners: which consecutive factor slots of one stream travel in
 one all-reduce. Eq. 15 of SPD-KFAC (Shi, Zhang, Li 2021), a greedy pass, and an exact
-dynamic program on the same one-channel timeline (after PACE, Bao et al., INFOCOM 2020).
+dynamic program on the same one-channel timeline (after PACE, Bao et al., INFOCOM 2020),
+which may also plan around link time held by more urgent traffic: the gradient chunks a
+priority schedule (:mod:`spdkfac.comm.schedule`) sends first.
 Pure functions of replicated inputs; :mod:`spdkfac.comm.fusion` wraps them as policies."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from spdkfac.comm.schedule import chunk_count
 from spdkfac.costmodel import AlphaBetaModel
 
-__all__ = ["communication_starts", "groups_end", "merge_dp", "merge_groups"]
+__all__ = ["Busy", "communication_starts", "finish_after", "groups_end", "merge_dp", "merge_groups"]
+
+#: Link intervals ``(start, end)`` held by more urgent traffic, sorted and disjoint.
+Busy = Sequence[tuple[float, float]]
+
+
+def finish_after(start: float, work: float, busy: Busy = ()) -> float:
+    """When ``work`` seconds of link time starting at ``start`` are done, if every interval
+    of ``busy`` pre-empts it (the transfer pauses there and resumes after)."""
+    now, left = start, work
+    for begin, end in busy:
+        if end <= now:
+            continue
+        if begin >= now + left:
+            break
+        left -= max(0.0, begin - now)
+        now = max(now, end)
+    return now + left
+
+
+def _transfer_cost(
+    model: AlphaBetaModel, bytes_per_element: int, chunk_elements: int | None
+) -> Callable[[int], float]:
+    """Link time of one call of ``n`` elements: ``α + β·bytes``, or one ``α`` per chunk
+    when calls are cut into chunks of ``chunk_elements``."""
+
+    def cost(elements: int) -> float:
+        chunks = 1 if chunk_elements is None else chunk_count(elements, chunk_elements)
+        return model.predict(elements * bytes_per_element) + (chunks - 1) * model.alpha
+
+    return cost
 
 
 def communication_starts(ready: Sequence[float], durations: Sequence[float]) -> list[float]:
@@ -89,14 +122,19 @@ def groups_end(
     ready: Sequence[float],
     model: AlphaBetaModel,
     bytes_per_element: int = 4,
+    *,
+    busy: Busy = (),
+    chunk_elements: int | None = None,
 ) -> float:
     """When the last of ``groups`` (contiguous runs of ``order``) ends on one channel: each
-    launches once its last slot is ready and the channel is free (Eq. 15's timeline)."""
+    launches once its last slot is ready and the channel is free (Eq. 15's timeline), and
+    pauses wherever ``busy`` holds the link (see :func:`merge_dp`)."""
     ready_of = dict(zip(order, ready, strict=True))
+    cost = _transfer_cost(model, bytes_per_element, chunk_elements)
     free = -math.inf
     for group in groups:
         launch = max(free, max(ready_of[key] for key in group))
-        free = launch + model.predict(sum(sizes[key] for key in group) * bytes_per_element)
+        free = finish_after(launch, cost(sum(sizes[key] for key in group)), busy)
     return free
 
 
@@ -106,23 +144,31 @@ def merge_dp(
     ready: Sequence[float],
     model: AlphaBetaModel,
     bytes_per_element: int = 4,
+    *,
+    busy: Busy = (),
+    chunk_elements: int | None = None,
 ) -> list[tuple[str, ...]]:
     """The contiguous groups of one stream whose last all-reduce ends first, exactly.
 
     After PACE's tensor-merging dynamic program (Bao et al., INFOCOM 2020, Sec. IV-B),
     with Eq. 15's oracle: one channel, buckets in order, each launched once its last slot is
     ready, costing ``α + β·bytes``. ``end[i]``, the earliest end of the first ``i`` slots,
-    is ``min_j max(end[j], r(j..i)) + t(j..i)``: exact for this model, since a later
+    is ``min_j finish(max(end[j], r(j..i)), t(j..i))``: exact for this model, since a later
     prefix end never lets the rest end sooner. Eq. 15's greedy pass is one of the
     candidates, so its plan never ends sooner (O(n²), n: slots of the stream).
+
+    With a priority schedule the oracle is that schedule's timeline instead: ``busy`` holds
+    the link intervals of the more urgent (gradient) chunks, which pre-empt a bucket at a
+    chunk boundary (:func:`finish_after`), and a bucket cut into ``chunk_elements`` pays one
+    start-up per chunk. ``finish`` is still monotone in the launch time, so the program
+    stays exact. A pre-empted bucket resumes right after the interval: the chunk a gradient
+    waits for when it arrives mid-chunk is not modelled (at most one chunk's time).
     """
     elements = _elements(order, sizes, ready)
     count = len(order)
     if not count:
         return []
-
-    def cost(total: int) -> float:
-        return model.predict(total * bytes_per_element)
+    cost = _transfer_cost(model, bytes_per_element, chunk_elements)
 
     end = [-math.inf] + [math.inf] * count
     cut = [0] * (count + 1)
@@ -132,7 +178,7 @@ def merge_dp(
         for start in range(stop - 1, -1, -1):
             latest = max(latest, ready[start])
             total += elements[start]
-            finish = max(end[start], latest) + cost(total)
+            finish = finish_after(max(end[start], latest), cost(total), busy)
             if finish < end[stop]:
                 end[stop], cut[stop] = finish, start
     groups: list[tuple[str, ...]] = []

@@ -213,6 +213,9 @@ class FactorPipeline:
         """Every rank builds the same plan from rank 0's measured hand-over times."""
         if not self._policy.measured:
             return
+        busy: tuple[tuple[float, float], ...] = ()
+        if self._scheduler is not None and self._policy.around_gradients:
+            busy = self._scheduler.gradient_busy(self._communicator)  # a collective
         a_order, a_ready = self._measured(self._a_keys)
         g_order, g_ready = self._measured(self._g_keys)
         index = {key: i for i, key in enumerate(self._a_keys + self._g_keys)}
@@ -231,17 +234,19 @@ class FactorPipeline:
             g_order=tuple(order[count_a:]),
             a_ready=tuple(ready[:count_a]),
             g_ready=tuple(ready[count_a:]),
+            busy=busy,
+            chunk_elements=None if self._scheduler is None else self._scheduler.chunk_elements,
         )
         self._exchange.replan(self._policy.plan(measured))
 
     def _measured(self, keys: Sequence[str]) -> tuple[list[str], list[float]]:
-        """Keys by median hand-over offset (from each step's first), unseen ones last."""
+        """Keys by median hand-over offset from each step's first hand-over (the
+        scheduler's window start: the clock of its gradient calls), unseen ones last."""
         offsets: dict[str, list[float]] = {}
         for record in self._history:
-            times = [record[k] for k in keys if k in record]
-            if not times:
+            if not any(k in record for k in keys):
                 continue
-            origin = min(times)
+            origin = min(record.values())
             for key in keys:
                 if key in record:
                     offsets.setdefault(key, []).append(record[key] - origin)

@@ -46,6 +46,7 @@ __all__ = [
     "ScheduledCall",
     "call_priority",
     "chunk_elements_for",
+    "gradient_busy",
     "plan_fifo",
     "plan_priority",
 ]
@@ -177,6 +178,42 @@ def _check_calls(calls: Sequence[ScheduledCall]) -> None:
             raise ValueError(f"the {stream} calls must be numbered 0..n-1, got {indices}")
 
 
+def _list_schedule(
+    calls: Sequence[ScheduledCall],
+    model: AlphaBetaModel,
+    bytes_per_element: int,
+    chunk_elements: int,
+) -> list[tuple[str, int, int, float, float]]:
+    """:func:`plan_priority`'s list scheduling: ``(stream, call, chunk, start, end)`` of
+    every chunk in issue order."""
+    _check_calls(calls)
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
+    counts = {s: sum(1 for c in calls if c.stream == s) for s in STREAMS}
+    key = {
+        (c.stream, c.index): (*call_priority(c, counts[c.stream]), c.ready, STREAMS.index(c.stream))
+        for c in calls
+    }
+    left = {(c.stream, c.index): chunk_count(c.elements, chunk_elements) for c in calls}
+    done = {(c.stream, c.index): 0 for c in calls}
+    by_id = {(c.stream, c.index): c for c in calls}
+    now = 0.0
+    spans: list[tuple[str, int, int, float, float]] = []
+    while any(left.values()):
+        ready = [i for i, n in left.items() if n and by_id[i].ready <= now]
+        if not ready:
+            now = min(by_id[i].ready for i, n in left.items() if n)
+            continue
+        chosen = min(ready, key=key.__getitem__)
+        chunk = done[chosen]
+        size = min(chunk_elements, by_id[chosen].elements - chunk * chunk_elements)
+        start, now = now, now + model.predict(max(0, size) * bytes_per_element)
+        spans.append((chosen[0], chosen[1], chunk, start, now))
+        done[chosen] += 1
+        left[chosen] -= 1
+    return spans
+
+
 def plan_priority(
     calls: Sequence[ScheduledCall],
     model: AlphaBetaModel,
@@ -190,32 +227,31 @@ def plan_priority(
     next chunk (a call's chunks go in order); when none is ready the link idles until the
     next one is. Ties go to the earlier-ready call, then to the stream order.
     """
-    _check_calls(calls)
-    if chunk_elements < 1:
-        raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
-    counts = {s: sum(1 for c in calls if c.stream == s) for s in STREAMS}
-    key = {
-        (c.stream, c.index): (*call_priority(c, counts[c.stream]), c.ready, STREAMS.index(c.stream))
-        for c in calls
-    }
-    left = {(c.stream, c.index): chunk_count(c.elements, chunk_elements) for c in calls}
-    done = {(c.stream, c.index): 0 for c in calls}
-    by_id = {(c.stream, c.index): c for c in calls}
-    now = 0.0
-    order: list[tuple[str, int, int]] = []
-    while any(left.values()):
-        ready = [i for i, n in left.items() if n and by_id[i].ready <= now]
-        if not ready:
-            now = min(by_id[i].ready for i, n in left.items() if n)
-            continue
-        chosen = min(ready, key=key.__getitem__)
-        chunk = done[chosen]
-        size = min(chunk_elements, by_id[chosen].elements - chunk * chunk_elements)
-        now += model.predict(max(0, size) * bytes_per_element)
-        order.append((chosen[0], chosen[1], chunk))
-        done[chosen] += 1
-        left[chosen] -= 1
-    return CommSchedule("priority", tuple(calls), chunk_elements, tuple(order), now)
+    spans = _list_schedule(calls, model, bytes_per_element, chunk_elements)
+    order = tuple((stream, index, chunk) for stream, index, chunk, _, _ in spans)
+    end = spans[-1][4] if spans else 0.0
+    return CommSchedule("priority", tuple(calls), chunk_elements, order, end)
+
+
+def gradient_busy(
+    calls: Sequence[ScheduledCall],
+    model: AlphaBetaModel,
+    *,
+    bytes_per_element: int,
+    chunk_elements: int,
+) -> tuple[tuple[float, float], ...]:
+    """The link intervals the gradient calls of a window hold under :func:`plan_priority`
+    (merged where they touch): gradients are the most urgent class, so factor buckets
+    get the link only outside them. What the ``dp`` fusion policy plans around
+    (:func:`spdkfac.comm.merge.merge_dp`)."""
+    gradients = [c for c in calls if c.stream == GRADIENTS]
+    busy: list[tuple[float, float]] = []
+    for *_, start, end in _list_schedule(gradients, model, bytes_per_element, chunk_elements):
+        if busy and start <= busy[-1][1]:
+            busy[-1] = (busy[-1][0], max(busy[-1][1], end))
+        else:
+            busy.append((start, end))
+    return tuple(busy)
 
 
 def plan_fifo(

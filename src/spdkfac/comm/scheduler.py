@@ -35,6 +35,7 @@ from spdkfac.comm.schedule import (
     ScheduledCall,
     chunk_count,
     chunk_elements_for,
+    gradient_busy,
     plan_priority,
 )
 from spdkfac.comm.streams import ScheduledStream
@@ -206,26 +207,7 @@ class CommScheduler:
         Returns None (and stays unplanned) when there is nothing to order: a window
         without gradient calls (no DDP) or without factor calls.
         """
-        latest = self._records[-1]
-        shape = [(stream, index, elements) for stream, index, elements, _ in latest]
-        alike = [r for r in self._records if [e[:3] for e in r] == shape]
-        ready = [statistics.median(r[i][3] for r in alike) for i in range(len(shape))]
-        local = torch.tensor(
-            [[STREAMS.index(s), i, n, t] for (s, i, n), t in zip(shape, ready, strict=True)],
-            dtype=torch.float64,
-        ).reshape(-1, 4)
-        count = torch.tensor([float(len(shape))], device=communicator.device)
-        agreed = communicator.all_reduce_max(count.clone()).wait()
-        if float(agreed) != float(count):
-            raise RuntimeError(
-                "spdkfac: comm_scheduler='priority': ranks recorded different numbers of "
-                f"collectives in a window ({int(count)} here, {int(agreed)} elsewhere)"
-            )
-        shared = communicator.broadcast(local.to(communicator.device), src=0).wait().cpu()
-        calls = [
-            ScheduledCall(STREAMS[round(s)], round(i), round(n), max(0.0, t))
-            for s, i, n, t in shared.tolist()
-        ]
+        calls = self._agreed_calls(communicator)
         if not all(any(c.stream == s for c in calls) for s in STREAMS):
             self._nothing_to_order = True  # stay on the streams' own groups
             return None
@@ -236,6 +218,46 @@ class CommScheduler:
             chunk_elements=self._chunk_elements,
         )
         return self._schedule
+
+    @property
+    def chunk_elements(self) -> int:
+        """Elements per chunk of the schedules it plans."""
+        return self._chunk_elements
+
+    def gradient_busy(self, communicator: Communicator) -> tuple[tuple[float, float], ...]:
+        """The link intervals rank 0's recorded gradient calls hold under a priority
+        schedule, from a window's start (a collective; empty before any window)."""
+        if not self._records:
+            return ()
+        return gradient_busy(
+            self._agreed_calls(communicator),
+            self._allreduce,
+            bytes_per_element=self._bytes_per_element,
+            chunk_elements=self._chunk_elements,
+        )
+
+    def _agreed_calls(self, communicator: Communicator) -> list[ScheduledCall]:
+        """Rank 0's latest window's calls at their median readiness (one all-reduce checks
+        that every rank recorded as many, one broadcast shares them)."""
+        latest = self._records[-1]
+        shape = [(stream, index, elements) for stream, index, elements, _ in latest]
+        alike = [r for r in self._records if [e[:3] for e in r] == shape]
+        ready = [statistics.median(r[i][3] for r in alike) for i in range(len(shape))]
+        local = torch.tensor(
+            [[STREAMS.index(s), i, n, t] for (s, i, n), t in zip(shape, ready, strict=True)],
+            dtype=torch.float64,
+        ).reshape(-1, 4)
+        count = torch.tensor([float(len(shape))], device=communicator.device)
+        if float(agreed := communicator.all_reduce_max(count.clone()).wait()) != float(count):
+            raise RuntimeError(
+                "spdkfac: comm_scheduler='priority': ranks recorded different numbers of "
+                f"collectives in a window ({int(count)} here, {int(agreed)} elsewhere)"
+            )
+        shared = communicator.broadcast(local.to(communicator.device), src=0).wait().cpu()
+        return [
+            ScheduledCall(STREAMS[round(s)], round(i), round(n), max(0.0, t))
+            for s, i, n, t in shared.tolist()
+        ]
 
     # ------------------------------------------------------------------ calls
     def admit(self, stream: str, elements: int) -> int | None:

@@ -161,7 +161,12 @@ def hand_over_times(costs: WorkloadCosts) -> tuple[list[float], list[float]]:
     return a_ready, g_ready
 
 
-def _fusion(costs: WorkloadCosts, policy: FusionPolicy) -> FusionPlan:
+def _fusion(
+    costs: WorkloadCosts,
+    policy: FusionPolicy,
+    busy: tuple[tuple[float, float], ...] = (),
+    chunk_elements: int | None = None,
+) -> FusionPlan:
     workload = costs.workload
     a_order = tuple(f"{layer.name}/A" for layer in workload.layers)
     g_order = tuple(f"{name}/G" for name in workload.g_order)
@@ -181,17 +186,21 @@ def _fusion(costs: WorkloadCosts, policy: FusionPolicy) -> FusionPlan:
     if not policy.measured:
         return policy.plan(inputs)
     # Measured policies plan from the hand-over times of the compute-only timeline, as
-    # the real one plans from rank 0's measurements.
+    # the real one plans from rank 0's measurements: from the step's first hand-over,
+    # the clock of ``busy`` (which counts from the forward pass's start) too.
     a_times, g_times = _first_hand_overs(costs)
     a_keys = tuple(sorted(a_order, key=lambda key: a_times[key]))
     g_keys = tuple(sorted(g_order, key=lambda key: g_times[key]))
+    origin = min((*a_times.values(), *g_times.values()), default=0.0)
     return policy.plan(
         replace(
             inputs,
             a_order=a_keys,
             g_order=g_keys,
-            a_ready=tuple(a_times[key] - a_times[a_keys[0]] for key in a_keys),
-            g_ready=tuple(g_times[key] - g_times[g_keys[0]] for key in g_keys),
+            a_ready=tuple(a_times[key] - origin for key in a_keys),
+            g_ready=tuple(g_times[key] - origin for key in g_keys),
+            busy=tuple((start - origin, end - origin) for start, end in busy),
+            chunk_elements=chunk_elements,
         )
     )
 
@@ -256,7 +265,12 @@ def prepare(
         else:
             minimum = cost_model.broadcast_group_elements() if strategy.fuse_broadcasts else 0
             groups = tuple(broadcast_groups(plan, {spec.key: None for spec in specs}, minimum))
-        fusion = _fusion(costs, strategy.fusion)
+        busy, chunk = (
+            scheduler.gradient_busy(costs, strategy, grad_buckets)
+            if strategy.fusion.around_gradients
+            else ((), None)
+        )
+        fusion = _fusion(costs, strategy.fusion, busy, chunk)
     return StrategySetup(
         strategy,
         costs,

@@ -43,6 +43,7 @@ from spdkfac.comm.schedule import (
     CommSchedule,
     ScheduledCall,
     chunk_elements_for,
+    gradient_busy,
     plan_priority,
 )
 from spdkfac.costmodel import AlphaBetaModel
@@ -59,6 +60,7 @@ __all__ = [
     "PriorityWindow",
     "WindowPolicy",
     "chunk_line",
+    "gradient_calls",
     "nominal_ready_times",
     "parse_comm_schedulers",
     "window_calls",
@@ -88,6 +90,13 @@ class WindowPolicy(Protocol):
         """The window's schedule, or None: gradient and factor buckets as without one."""
         ...
 
+    def gradient_busy(
+        self, costs: WorkloadCosts, strategy: Strategy, grad_buckets: tuple[tuple[str, ...], ...]
+    ) -> tuple[tuple[tuple[float, float], ...], int | None]:
+        """The link intervals the window's gradient chunks hold (seconds from the forward
+        pass's start) and the chunk size, for a fusion policy that plans around them."""
+        ...
+
 
 @dataclass(frozen=True)
 class FifoWindow:
@@ -104,6 +113,12 @@ class FifoWindow:
     ) -> CommSchedule | None:
         """No schedule."""
         return None
+
+    def gradient_busy(
+        self, costs: WorkloadCosts, strategy: Strategy, grad_buckets: tuple[tuple[str, ...], ...]
+    ) -> tuple[tuple[tuple[float, float], ...], int | None]:
+        """Nothing pre-empts the factor buckets."""
+        return (), None
 
 
 @dataclass(frozen=True)
@@ -130,12 +145,32 @@ class PriorityWindow:
             return None
         model = costs.hardware.cost_model(costs.world_size).allreduce
         calls = window_calls(costs, grad_buckets, fusion)
-        largest = BYTES_PER_ELEMENT * max(call.elements for call in calls)
-        chunk = chunk_elements_for(
-            chunk_line(model, largest), BYTES_PER_ELEMENT, startup_share=self.startup_share
-        )
         return plan_priority(
+            calls,
+            model,
+            bytes_per_element=BYTES_PER_ELEMENT,
+            chunk_elements=self._chunk(model, calls),
+        )
+
+    def gradient_busy(
+        self, costs: WorkloadCosts, strategy: Strategy, grad_buckets: tuple[tuple[str, ...], ...]
+    ) -> tuple[tuple[tuple[float, float], ...], int | None]:
+        """:func:`~spdkfac.comm.schedule.gradient_busy` of the window's gradient calls (the
+        chunk size from the largest of them: the factor buckets are not planned yet)."""
+        calls = gradient_calls(costs, grad_buckets)
+        if costs.world_size < 2 or strategy.owner_computes or not calls:
+            return (), None
+        model = costs.hardware.cost_model(costs.world_size).allreduce
+        chunk = self._chunk(model, calls)
+        busy = gradient_busy(
             calls, model, bytes_per_element=BYTES_PER_ELEMENT, chunk_elements=chunk
+        )
+        return busy, chunk
+
+    def _chunk(self, model: AlphaBetaModel, calls: Sequence[ScheduledCall]) -> int:
+        largest = BYTES_PER_ELEMENT * max(call.elements for call in calls)
+        return chunk_elements_for(
+            chunk_line(model, largest), BYTES_PER_ELEMENT, startup_share=self.startup_share
         )
 
 
@@ -214,6 +249,21 @@ def _launch_times(buckets: Sequence[Sequence[str]], times: Mapping[str, float]) 
     return launched
 
 
+def gradient_calls(
+    costs: WorkloadCosts, grad_buckets: tuple[tuple[str, ...], ...]
+) -> list[ScheduledCall]:
+    """Every gradient bucket of the window (DDP's order), its elements and nominal launch
+    time."""
+    times = nominal_ready_times(costs)
+    numel = dict(costs.workload.parameters)
+    return [
+        ScheduledCall(GRADIENTS, index, sum(numel[name] for name in bucket), ready)
+        for index, (bucket, ready) in enumerate(
+            zip(grad_buckets, _launch_times(grad_buckets, times), strict=True)
+        )
+    ]
+
+
 def window_calls(
     costs: WorkloadCosts, grad_buckets: tuple[tuple[str, ...], ...], fusion: FusionPlan
 ) -> tuple[ScheduledCall, ...]:
@@ -221,15 +271,9 @@ def window_calls(
     factor bucket (the fusion plan's), their elements and nominal launch times."""
     workload = costs.workload
     times = nominal_ready_times(costs)
-    numel = dict(workload.parameters)
     dims = {f"{layer.name}/A": layer.a_dim for layer in workload.layers}
     dims |= {f"{layer.name}/G": layer.g_dim for layer in workload.layers}
-    calls = [
-        ScheduledCall(GRADIENTS, index, sum(numel[name] for name in bucket), ready)
-        for index, (bucket, ready) in enumerate(
-            zip(grad_buckets, _launch_times(grad_buckets, times), strict=True)
-        )
-    ]
+    calls = gradient_calls(costs, grad_buckets)
     calls += [
         ScheduledCall(FACTORS, index, sum(packed_size(dims[key]) for key in bucket), ready)
         for index, (bucket, ready) in enumerate(

@@ -1,0 +1,31 @@
+"""Random factor streams and every way to split them, for the merge rules' exhaustive
+checks (``tests/comm/test_fusion.py``, ``tests/comm/test_merge_priority.py``)."""
+
+from __future__ import annotations
+
+import random
+
+__all__ = ["all_splits", "random_stream"]
+
+
+def random_stream(seed: int, count: int) -> tuple[list[str], dict[str, int], list[float]]:
+    """``count`` slots: keys in order, elements each, sorted ready times (seconds)."""
+    rng = random.Random(seed)
+    order = [f"s{i}" for i in range(count)]
+    sizes = {key: rng.choice([10, 100, 1_000, 50_000, 400_000]) for key in order}
+    ready = sorted(rng.uniform(0.0, 0.02) for _ in order)
+    return order, sizes, ready
+
+
+def all_splits(order: list[str]) -> list[list[tuple[str, ...]]]:
+    """Every split of ``order`` into contiguous groups."""
+    splits = []
+    for mask in range(2 ** (len(order) - 1)):
+        groups, current = [], [order[0]]
+        for index, key in enumerate(order[1:]):
+            if mask >> index & 1:
+                groups.append(tuple(current))
+                current = []
+            current.append(key)
+        splits.append([*groups, tuple(current)])
+    return splits
