@@ -73,6 +73,14 @@ DISCUSSION = """\
   +0.0–1.8 % on `paper`, +2.3–3.3 % on `eth10` at 64 workers. No iteration-time gain
   survives amortisation because there is none before it.
 
+* **Merging around the gradients** (`dp+priority`: the exact merge DP with the
+  schedule's gradient chunks as busy link time, the bench row `fusion:dp+priority`) wins
+  back part of that loss where the window is contended: ResNet-50 on `paper` at 64
+  workers +1.5 → +0.0 %, DenseNet-201 on `paper` at 64 +2.4 → +1.1 %, ResNet-152 on
+  `paper` at 8 +5.3 → +3.6 %, DenseNet-201 on `eth10` at 64 +7.3 → +5.3 %; ResNet-152 at
+  64 and ResNet-50 on `eth10` at 64 by 0.1–0.6 points. In no cell is it shorter than
+  fifo: merging saves chunk start-ups, not the window's last byte.
+
 ## What would let it pay, and what this cannot tell
 
 * Priority pays in this model only if something useful runs between the gradients'
