@@ -1,11 +1,32 @@
 """Random factor streams and every way to split them, for the merge rules' exhaustive
-checks (``tests/comm/test_fusion.py``, ``tests/comm/test_merge_priority.py``)."""
+checks (``tests/comm/test_fusion.py``, ``tests/comm/test_merge_priority.py``), and a fusion
+policy that records what it is asked to plan."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
-__all__ = ["all_splits", "random_stream"]
+from spdkfac.comm.fusion import FusionInputs, FusionPlan, FusionPolicy
+
+__all__ = ["PolicySpy", "all_splits", "random_stream"]
+
+
+@dataclass(frozen=True, eq=False)
+class PolicySpy:
+    """A measured policy planning around gradients that keeps every input it is given and
+    plans as ``delegate``."""
+
+    delegate: FusionPolicy
+    seen: list[FusionInputs] = field(default_factory=list)
+    name: str = "spy"
+    eager: bool = True
+    measured: bool = True
+    around_gradients: bool = True
+
+    def plan(self, inputs: FusionInputs) -> FusionPlan:
+        self.seen.append(inputs)
+        return self.delegate.plan(inputs)
 
 
 def random_stream(seed: int, count: int) -> tuple[list[str], dict[str, int], list[float]]:

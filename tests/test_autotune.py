@@ -9,7 +9,7 @@ from torch import nn
 from torch.futures import Future
 
 from spdkfac import KFACPreconditioner
-from spdkfac.autotune import AutoTuner, amortized_seconds, kind_shares
+from spdkfac.autotune import ROUND_MARGIN, AutoTuner, amortized_seconds, kind_shares
 from spdkfac.comm import LocalCommunicator
 from spdkfac.comm.base import completed
 from spdkfac.strategies import STRATEGIES
@@ -43,14 +43,19 @@ def test_kinds_are_weighted_by_their_share_of_steps() -> None:
     )
 
 
-def test_trials_warm_up_time_probe_and_keep_the_fastest() -> None:
-    names = ("d-kfac", "spd-kfac", "osawa")
-    seconds = {"d-kfac": 3.0, "spd-kfac": 1.0, "osawa": 2.0}
+def _trials(seconds: dict[str, float], rounds: int) -> tuple[AutoTuner, list[tuple[str, int]], int]:
+    """Run a tuner over ``seconds``' candidates (each plain step half as long as a factor
+    step) until it decides: the tuner, its switches (name, step) and its probes."""
     now = [0.0]
     tuner = AutoTuner(
-        [STRATEGIES[n] for n in names], _TwoRanks(), min_steps=3, clock=lambda: now[0]
+        [STRATEGIES[n] for n in seconds],
+        _TwoRanks(),
+        min_steps=3,
+        rounds=rounds,
+        clock=lambda: now[0],
     )
-    order, probes = [], 0
+    order: list[tuple[str, int]] = []
+    probes = 0
     for step in range(200):
         tuner.started()
         now[0] += seconds[tuner.current.name] * (0.5 if step % 10 else 1.0)
@@ -67,6 +72,14 @@ def test_trials_warm_up_time_probe_and_keep_the_fastest() -> None:
             tuner.probe(lambda: now.__setitem__(0, now[0] + 7.0))
         if tuner.decided:
             break
+    return tuner, order, probes
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_trials_warm_up_time_probe_and_keep_the_fastest(rounds: int) -> None:
+    """No candidate within the margin of the fastest: one round, whatever ``rounds``."""
+    seconds = {"d-kfac": 3.0, "spd-kfac": 1.0, "osawa": 2.0}
+    tuner, order, probes = _trials(seconds, rounds)
     assert [name for name, _ in order] == ["spd-kfac", "osawa", "spd-kfac"]
     assert probes == 3  # one inverse phase timed per candidate
     choice = tuner.choice
@@ -75,7 +88,25 @@ def test_trials_warm_up_time_probe_and_keep_the_fastest() -> None:
     for name, value in choice.seconds.items():
         s = seconds[name]
         assert value == pytest.approx(0.01 * (s + 7.0) + 0.09 * s + 0.9 * s / 2)
-    assert "spd-kfac" in choice.describe()
+    assert "spd-kfac" in choice.describe() and choice.rounds == 1
+
+
+def test_close_candidates_run_again_in_reverse_order_and_pool_their_samples() -> None:
+    """osawa is within ROUND_MARGIN of spd-kfac: both run again, osawa (the last) going on
+    without a switch, then spd-kfac after its warm-up; d-kfac is dropped."""
+    seconds = {"d-kfac": 3.0, "spd-kfac": 1.0, "osawa": 1.0 + ROUND_MARGIN / 2}
+    tuner, order, probes = _trials(seconds, rounds=2)
+    names = [name for name, _ in order]
+    assert names == ["spd-kfac", "osawa", "spd-kfac", "spd-kfac"]
+    assert probes == 3  # an inverse phase is timed once per candidate, not per round
+    choice = tuner.choice
+    assert choice is not None and choice.chosen == "spd-kfac"
+    assert choice.rounds == 2 and choice.finalists == ("osawa", "spd-kfac")
+    # Each finalist was timed in two rounds of at least 3 steps, d-kfac in one.
+    assert choice.window >= 6
+    assert "d-kfac" in choice.describe() and "dropped" in choice.describe()
+    s = seconds["osawa"]
+    assert choice.seconds["osawa"] == pytest.approx(0.01 * (s + 7.0) + 0.09 * s + 0.9 * s / 2)
 
 
 def test_one_rank_decides_at_once_and_a_discarded_inverse_phase_changes_nothing() -> None:

@@ -118,8 +118,10 @@ class KFACConfig:
             overrides).
         auto_candidates: The rows of :data:`~spdkfac.strategies.STRATEGIES` ``"auto"``
             tries, in order.
-        auto_trial_steps: Fewest timed steps per candidate (rounded up to whole refresh
-            cycles).
+        auto_trial_steps: Fewest timed steps per candidate and round (rounded up to whole
+            refresh cycles).
+        auto_rounds: Most rounds of trials: after each, the candidates within 5 % of the
+            fastest run again and pool their samples (1: each runs once).
         placement: Overrides the strategy's inverse placement (``"replicated"``,
             ``"round-robin"``, ``"balanced"`` or ``"layer-owners"``; ``"osawa"`` needs
             the last); None keeps the strategy's.
@@ -169,6 +171,7 @@ class KFACConfig:
     strategy: StrategyName = "spd-kfac"
     auto_candidates: tuple[str, ...] = AUTO_CANDIDATES
     auto_trial_steps: int = 10
+    auto_rounds: int = 2
     placement: PlacementName | None = None
     factor_options: FactorOptions = field(default_factory=FactorOptions)
     factor_exchange: FactorExchangeName | None = None
@@ -205,6 +208,7 @@ class KFACConfig:
             self, "auto_candidates", check_candidates(self.auto_candidates, STRATEGIES)
         )
         check_int("auto_trial_steps", self.auto_trial_steps)
+        check_int("auto_rounds", self.auto_rounds)
         if not isinstance(self.factor_options, FactorOptions):
             raise ValueError(f"factor_options must be a FactorOptions, got {self.factor_options!r}")
         if self.factor_exchange is not None:

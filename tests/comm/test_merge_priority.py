@@ -4,15 +4,14 @@ link time the gradient chunks hold (``comm_scheduler="priority"``)."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from merge_cases import all_splits, random_stream
+from merge_cases import PolicySpy, all_splits, random_stream
 from schedule_cases import ONE_MS
 from spdkfac.comm import LocalCommunicator
-from spdkfac.comm.fusion import FusionInputs, FusionPlan, ThresholdFusion
+from spdkfac.comm.fusion import ThresholdFusion
 from spdkfac.comm.merge import finish_after, groups_end, merge_dp
 from spdkfac.comm.pipeline import FactorPipeline
 from spdkfac.comm.schedule import GRADIENTS, ScheduledCall, gradient_busy
@@ -75,21 +74,6 @@ def test_gradient_busy_follows_the_priority_rule() -> None:
     assert [pytest.approx(i) for i in busy] == [(1e-3, 3e-3), (10e-3, 11e-3)]
 
 
-@dataclass
-class _Spy:
-    """A measured policy planning around gradients that keeps what it was given."""
-
-    name: str = "spy"
-    eager: bool = True
-    measured: bool = True
-    around_gradients: bool = True
-    seen: list[FusionInputs] = field(default_factory=list)
-
-    def plan(self, inputs: FusionInputs) -> FusionPlan:
-        self.seen.append(inputs)
-        return ThresholdFusion().plan(inputs)
-
-
 def test_pipeline_plans_around_the_recorded_gradient_calls() -> None:
     """The pipeline hands the policy the gradient intervals of its scheduler's recorded
     windows, on the clock of the factors' hand-over times, and the chunk size."""
@@ -97,7 +81,7 @@ def test_pipeline_plans_around_the_recorded_gradient_calls() -> None:
     model = AlphaBetaModel(alpha=1e-3, beta=1e-6)
     scheduler = CommScheduler(group, model, recorded_windows=2)
     gradients = scheduler.stream(GRADIENTS, group)
-    spy = _Spy()
+    spy = PolicySpy(ThresholdFusion())
     pipeline = FactorPipeline(
         group, [("a", 2)], [("g", 2)], spy, allreduce=model, warmup_steps=2, scheduler=scheduler
     )

@@ -98,6 +98,7 @@ INVALID: list[tuple[str, object, str | None]] = [
     ("auto_candidates", "d-kfac", None),
     ("auto_candidates", (), None),
     ("auto_trial_steps", 0, None),
+    ("auto_rounds", 0, None),
     ("skip_layers", "fc", None),
     ("skip_layers", 5, None),
     ("skip_layers", [3], "3"),

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 
+from merge_cases import PolicySpy
 from spdkfac.cli.main import main
-from spdkfac.comm.fusion import FUSION_POLICIES, FusionInputs, FusionPlan, plan_dp
+from spdkfac.comm.fusion import FUSION_POLICIES, plan_dp
 from spdkfac.comm.schedule import (
     COMM_SCHEDULERS,
     FACTORS,
@@ -256,25 +257,13 @@ def test_a_dp_fusion_plans_around_the_simulated_gradient_chunks(
     """Under ``"priority"`` a policy with ``around_gradients`` (``dp``) is given the link
     intervals of the window's gradient chunks, on the clock of the factors' hand-overs
     (from the step's first); under ``"fifo"`` nothing."""
-    seen: list[FusionInputs] = []
-
-    @dataclass(frozen=True)
-    class Spy:
-        name: str = "spy"
-        eager: bool = True
-        measured: bool = True
-        around_gradients: bool = True
-
-        def plan(self, inputs: FusionInputs) -> FusionPlan:
-            seen.append(inputs)
-            return FUSION_POLICIES["dp"].plan(inputs)
-
+    spy = PolicySpy(FUSION_POLICIES["dp"])
     costs = WorkloadCosts(two_layers, round_hardware, 2)
-    strategy = replace(STRATEGY_TABLE["spd-kfac"], fusion=Spy())
+    strategy = replace(STRATEGY_TABLE["spd-kfac"], fusion=spy)
     prepare(costs, strategy, comm_scheduler="fifo")
-    assert seen[-1].busy == () and seen[-1].chunk_elements is None
+    assert spy.seen[-1].busy == () and spy.seen[-1].chunk_elements is None
     setup = prepare(costs, strategy, comm_scheduler="priority")
-    inputs = seen[-1]
+    inputs = spy.seen[-1]
     busy, chunk = PriorityWindow().gradient_busy(costs, strategy, setup.grad_buckets)
     assert busy and inputs.chunk_elements == chunk
     assert inputs.a_ready is not None and inputs.g_ready is not None

@@ -249,9 +249,14 @@ def _describe(precond: KFACPreconditioner) -> str:
         return f"{precond.plan.describe()}; {schedule.describe()}"
     if choice is None:
         return precond.plan.describe()
-    tried = ", ".join(f"{name} {1e3 * t:.1f} ms" for name, t in choice.seconds.items())
+    tried = ", ".join(
+        f"{name} {1e3 * t:.1f} ms"
+        + (" (dropped)" if choice.finalists and name not in choice.finalists else "")
+        for name, t in choice.seconds.items()
+    )
     return (
-        f"chose {choice.chosen} (amortized on the slowest rank: {tried}); {precond.plan.describe()}"
+        f"chose {choice.chosen} after {choice.rounds} round(s) (amortized on the slowest rank: "
+        f"{tried}); {precond.plan.describe()}"
     )
 
 
@@ -280,7 +285,7 @@ def _settings(options: BenchOptions) -> dict[str, str]:
         "factor/inverse update steps": (
             f"{options.factor_update_steps}/{options.inv_update_steps}"
         ),
-        "optimal fusion planned after": f"{options.planning_steps} factor steps",
+        "fusion planned after": f"{options.planning_steps} factor steps",
         "input": _workload(options).describe(options),
         "SGD": f"lr {options.lr}, momentum 0.9; K-FAC damping {options.damping}",
     }

@@ -166,8 +166,10 @@ def evaluate_accuracy(
     counts = torch.zeros(2, dtype=torch.float64)
     shard = torch.arange(comm.rank, len(labels), comm.world_size)
     with torch.no_grad():
-        for start in range(0, len(shard), 1000):
-            part = shard[start : start + 1000]
+        # Chunks of 128: on a CPU, chunks of 1000 (activations of megabytes per layer) took
+        # twice as long (ResNet-20, 28x28 images, one thread).
+        for start in range(0, len(shard), 128):
+            part = shard[start : start + 128]
             counts[0] += int((model(images[part]).argmax(1) == labels[part]).sum())
             counts[1] += len(part)
     model.train()
