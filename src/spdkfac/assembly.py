@@ -109,6 +109,7 @@ def assemble(
         comm_dtype=config.factor_comm_dtype,
         owners=plan.owner_by_key if owners else None,
         grad_scale=grad_scale,
+        examples=config.factor_options.examples,
         scheduler=scheduler,
         profiler=profiler,
     )

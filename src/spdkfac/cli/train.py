@@ -16,6 +16,7 @@ from spdkfac.training.config import (
     DATASETS,
     LR_SCHEDULES,
     OPTIMIZERS,
+    WEIGHT_SHARINGS,
     TrainConfig,
     check_model_name,
     load_config_file,
@@ -85,6 +86,11 @@ _HELP: dict[str, str] = {
     "stale_factor_update_steps": "factor refresh interval after the switch",
     "stale_inv_update_steps": "inverse refresh interval after the switch",
     "stale_growth_steps": "double the intervals every N steps after the switch (0: jump)",
+    "weight_sharing": "how K-FAC factors layers applied at many positions of an example "
+    "(convolutions, sequences): expand (every position an example) or reduce (positions "
+    "averaged first; cheaper; Eschenhagen et al. 2023)",
+    "factor_examples": "K-FAC statistics from the first N examples of each worker's batch "
+    "only (cheaper factors, noisier estimate; default: the whole batch)",
     "batchnorm": (
         "K-FAC curvature for BatchNorm scale and shift: off (plain gradient), diagonal "
         "(Osawa et al.'s diagonal Fisher) or unit-wise (each channel's 2x2 block)"
@@ -128,11 +134,13 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     "inverse_method": {"type": str, "choices": FORM_METHODS},
     "comm_scheduler": {"type": str, "choices": COMM_SCHEDULERS},
     "batchnorm": {"type": str, "choices": BATCHNORM_CURVATURES},
+    "weight_sharing": {"type": str, "choices": WEIGHT_SHARINGS},
     "milestones": {"type": float, "nargs": "*"},
     "data": {"type": str},
     **{name: {"type": int} for name in ("max_steps", "threads", "stale_switch_step",
                                          "train_limit", "eval_every", "evals_per_epoch",
-                                         "lr_schedule_steps", "warmup_steps")},
+                                         "lr_schedule_steps", "warmup_steps",
+                                         "factor_examples")},
     **{name: {"type": float} for name in ("damping_initial", "poly_end_epoch", "kl_clip")},
 }  # fmt: skip
 

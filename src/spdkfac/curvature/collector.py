@@ -55,6 +55,8 @@ class FactorCollector:
         owners: Owner rank per symmetric slot key: its global factor is reduce-scattered
             to the owner only (None: all-reduced to every rank).
         grad_scale: Returns the loss scale of a ``GradScaler`` (None without one).
+        examples: Statistics from the first this many examples of each captured call
+            (:attr:`~spdkfac.layers.FactorOptions.examples`; None: all).
         scheduler: Orders a pipelined exchange's buckets with DDP's gradient buckets
             (``comm_scheduler="priority"``; None: the exchange has a group of its own).
         profiler: Where spans are recorded.
@@ -74,10 +76,12 @@ class FactorCollector:
         comm_dtype: torch.dtype | None = None,
         owners: Mapping[str, int] | None = None,
         grad_scale: Callable[[], float] | None = None,
+        examples: int | None = None,
         scheduler: CommScheduler | None = None,
         profiler: Profiler,
     ) -> None:
         self._blocks = {block.name: block for block in blocks}
+        self._examples = examples
         self._scheduler = scheduler
         self._communicator = communicator
         self._accumulation_steps = accumulation_steps
@@ -174,12 +178,19 @@ class FactorCollector:
         if not label:
             return
         with self._profiler.span(span_name(Phase.FACTOR_COMPUTE, label)), _no_autocast(inputs):
-            self._add(self._blocks[name].capture_input(inputs), correction=1.0)
+            self._add(self._blocks[name].capture_input(inputs[: self._examples]), correction=1.0)
 
     def _on_grad_output(self, name: str, module: nn.Module, inputs: Tensor, grad: Tensor) -> None:
         label = self._labels[(name, False)]
+        correction = self._correction()
+        kept = self._examples
+        if kept is not None and grad.shape[0] > kept:
+            # δ = B·g with B the call's examples: from the first ``kept`` of them, δ comes
+            # out kept/B times the whole batch's, its squares (kept/B)² times.
+            correction *= (grad.shape[0] / kept) ** 2
+            inputs, grad = inputs[:kept], grad[:kept]
         with self._profiler.span(span_name(Phase.FACTOR_COMPUTE, label)), _no_autocast(grad):
-            self._add(self._blocks[name].capture_grad(inputs, grad), correction=self._correction())
+            self._add(self._blocks[name].capture_grad(inputs, grad), correction=correction)
 
     def _correction(self) -> float:
         """Factor correcting statistics that are products of two output gradients.

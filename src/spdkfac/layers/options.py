@@ -1,4 +1,5 @@
-"""Options of the factor computations: method, compute dtype, how a method is chosen."""
+"""Options of the factor computations: method, compute dtype, how a method is chosen, and
+how many examples of each pass they read."""
 
 from __future__ import annotations
 
@@ -35,11 +36,19 @@ class FactorOptions:
             devices it picks im2col); ``"measure"``: time each candidate once per layer
             geometry and cache the fastest (ranks or runs may then pick differently,
             which changes results only by rounding).
+        examples: Statistics from the first ``examples`` examples (leading dimension) of
+            each captured call only, on each rank; None: all of them. The factors are
+            then estimated from fewer examples (the running average smooths the noise,
+            as Hessian-free optimization estimates curvature on a smaller mini-batch than
+            the gradient, Martens 2010) at a fraction of the cost; the gradient still uses
+            the whole batch. Output-gradient statistics are rescaled so that the estimate
+            stays unbiased for a loss averaged over the whole batch.
     """
 
     method: FactorMethod = "auto"
     compute_dtype: torch.dtype | None = None
     selection: SelectionPolicy = "model"
+    examples: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in get_args(FactorMethod):
@@ -48,6 +57,11 @@ class FactorOptions:
             raise ValueError(
                 f"selection must be one of {get_args(SelectionPolicy)}, got {self.selection!r}"
             )
+        examples = self.examples
+        if examples is not None and (
+            isinstance(examples, bool) or not isinstance(examples, int) or examples < 1
+        ):
+            raise ValueError(f"examples must be an int >= 1 or None, got {self.examples!r}")
         if self.compute_dtype is not None and (
             not isinstance(self.compute_dtype, torch.dtype)
             or not self.compute_dtype.is_floating_point

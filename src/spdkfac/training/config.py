@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from spdkfac.checks import check_choice, check_int, check_number
 from spdkfac.comm.schedule import COMM_SCHEDULERS
@@ -20,6 +20,7 @@ from spdkfac.optional import (
     unavailable_reason,
 )
 from spdkfac.strategies import STRATEGY_NAMES
+from spdkfac.types import WeightSharing
 
 __all__ = [
     "BATCHNORM_CURVATURES",
@@ -29,6 +30,7 @@ __all__ = [
     "LR_SCHEDULES",
     "OPTIMIZERS",
     "RESUMABLE_CHANGES",
+    "WEIGHT_SHARINGS",
     "TrainConfig",
     "check_model_name",
     "incompatible_fields",
@@ -49,6 +51,8 @@ OPTIMIZERS: dict[str, str] = {
 #: The ``--optimizer`` values whose base optimizer K-FAC preconditions.
 KFAC_OPTIMIZERS: frozenset[str] = frozenset({"kfac", "kfac-adamw"})
 LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
+#: ``--weight-sharing`` values (``KFACPreconditioner``'s ``weight_sharing``).
+WEIGHT_SHARINGS: tuple[str, ...] = get_args(WeightSharing)
 #: ``--batchnorm`` values: "off" (plain gradient) or a mode of ``KFACPreconditioner``.
 BATCHNORM_CURVATURES: tuple[str, ...] = ("off", *BATCHNORM_MODES)
 #: Fields a resumed run may change; any other difference refuses the checkpoint.
@@ -126,6 +130,8 @@ class TrainConfig:
     stale_factor_update_steps: int = 10
     stale_inv_update_steps: int = 100
     stale_growth_steps: int = 0
+    weight_sharing: str = "expand"
+    factor_examples: int | None = None
     batchnorm: str = "off"
     batchnorm_damping_multiplier: float = 1.0
     weight_rescaling: bool = False
@@ -152,6 +158,7 @@ class TrainConfig:
         check_choice("inverse_method", self.inverse_method, FORM_METHODS)
         check_choice("comm_scheduler", self.comm_scheduler, COMM_SCHEDULERS)
         check_choice("batchnorm", self.batchnorm, BATCHNORM_CURVATURES)
+        check_choice("weight_sharing", self.weight_sharing, WEIGHT_SHARINGS)
         check_number("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
         for name in ("epochs", "batch_size", "accumulation_steps", "image_size", "seq_len",
                      "gpt_layers", "gpt_heads", "gpt_dim", "factor_update_steps",
@@ -161,7 +168,7 @@ class TrainConfig:
         for name in ("damping_warmup_steps", "checkpoint_every", "seed", "stale_growth_steps"):
             check_int(name, getattr(self, name), low=0)
         for name in ("max_steps", "threads", "stale_switch_step", "train_limit", "eval_every",
-                     "evals_per_epoch", "lr_schedule_steps"):  # fmt: skip
+                     "evals_per_epoch", "lr_schedule_steps", "factor_examples"):  # fmt: skip
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1)
         if self.warmup_steps is not None:

@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 from spdkfac.data import load_fashion_mnist
 from spdkfac.data.cifar10 import load_cifar10
 from spdkfac.data.imagefolder import load_image_folder
+from spdkfac.layers import FactorOptions
 from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.schedules import damping_warmup, stale_interval
 from spdkfac.training.config import TrainConfig
@@ -231,6 +232,8 @@ def make_optimizers(
         inverse_method=config.inverse_method,
         comm_scheduler=config.comm_scheduler,
         accumulation_steps=config.accumulation_steps,
+        weight_sharing=config.weight_sharing,
+        factor_options=FactorOptions(examples=config.factor_examples),
         batchnorm=None if config.batchnorm == "off" else config.batchnorm,
         batchnorm_damping_multiplier=config.batchnorm_damping_multiplier,
     )
