@@ -294,20 +294,23 @@ def write_report(
         "## Chosen configurations",
         "",
         "The best tuning trial of each optimizer, and the flags of its final runs (each "
-        "adds `--seed S`):",
+        "adds `--seed S`); provisional while its tuning trials are not all recorded:",
         "",
         "| workload | optimizer | tuning trial | final-run flags |",
         "|---|---|---|---|",
     ]
     for workload in plan.workloads:
         for optimizer, record in select(records, workload).items():
+            mine = {"workload": workload.name, "phase": "tune", "optimizer": optimizer}
+            tuned = sum(all(r.get(k) == v for k, v in mine.items()) for r in records)
             if record is None:
                 lines.append(f"| {workload.name} | {optimizer} | — | every trial failed |")
                 continue
+            trial = str(record["index"])
+            if tuned < plan.trials:
+                trial += f" (provisional: {tuned} of {plan.trials} trials so far)"
             flags = workload.flags_for(optimizer, record["hparams"]) + list(workload.final_flags)
-            lines.append(
-                f"| {workload.name} | {optimizer} | {record['index']} | `{' '.join(flags)}` |"
-            )
+            lines.append(f"| {workload.name} | {optimizer} | {trial} | `{' '.join(flags)}` |")
     lines += _trials(plan, records)
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
