@@ -109,6 +109,13 @@ class AutoChoice:
     finalists: tuple[str, ...] = ()
     rounds: int = 1
 
+    @property
+    def dropped(self) -> tuple[str, ...]:
+        """The candidates left out of the last round."""
+        if not self.finalists:
+            return ()
+        return tuple(name for name in self.seconds if name not in self.finalists)
+
     def describe(self) -> str:
         """One line per candidate, fastest first, the chosen one marked."""
         lines = [
@@ -118,7 +125,7 @@ class AutoChoice:
         ]
         for name, seconds in sorted(self.seconds.items(), key=lambda item: item[1]):
             mark = " <- chosen" if name == self.chosen else ""
-            if self.finalists and name not in self.finalists:
+            if name in self.dropped:
                 mark = " (dropped after a round)"
             lines.append(f"  {name:<18} {seconds * 1e3:10.1f} ms{mark}")
         return "\n".join(lines)

@@ -250,8 +250,7 @@ def _describe(precond: KFACPreconditioner) -> str:
     if choice is None:
         return precond.plan.describe()
     tried = ", ".join(
-        f"{name} {1e3 * t:.1f} ms"
-        + (" (dropped)" if choice.finalists and name not in choice.finalists else "")
+        f"{name} {1e3 * t:.1f} ms" + (" (dropped)" if name in choice.dropped else "")
         for name, t in choice.seconds.items()
     )
     return (
