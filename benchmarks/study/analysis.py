@@ -98,7 +98,7 @@ def tuning_targets(records: Sequence[dict[str, Any]], workload: Workload) -> tup
         return workload.targets
     values = [
         v
-        for r in _ok(records, workload=workload.name, phase="tune", optimizer=workload.reference)
+        for r in _ok(records, workload=workload.key, phase="tune", optimizer=workload.reference)
         if (v := final_value(r, workload.tune_metric)) is not None and math.isfinite(v)
     ]
     if not values:
@@ -131,7 +131,7 @@ def select(
     targets = tuning_targets(records, workload)
     chosen: dict[str, dict[str, Any] | None] = {}
     for optimizer in workload.spaces:
-        trials = _ok(records, workload=workload.name, phase="tune", optimizer=optimizer)
+        trials = _ok(records, workload=workload.key, phase="tune", optimizer=optimizer)
         ranked = sorted(trials, key=lambda r: (tuning_key(r, workload, targets), r["index"]))
         chosen[optimizer] = ranked[0] if ranked else None
     return chosen
@@ -144,7 +144,7 @@ def final_targets(records: Sequence[dict[str, Any]], workload: Workload) -> tupl
         return workload.targets
     values = [
         v
-        for r in _ok(records, workload=workload.name, phase="final", optimizer=workload.reference)
+        for r in _ok(records, workload=workload.key, phase="final", optimizer=workload.reference)
         if (v := final_value(r, workload.final_metric)) is not None
     ]
     return (statistics.median(values),) if values else ()
@@ -159,6 +159,8 @@ class Row:
     outcomes: tuple[Outcome, ...]
     ms_per_step: float
     final_scores: tuple[float, ...]
+    #: Median over runs of each run's median step (K-FAC: a step without a refresh).
+    median_step_ms: float = math.nan
 
     @property
     def median_seconds(self) -> float:
@@ -180,7 +182,7 @@ def final_rows(records: Sequence[dict[str, Any]], workload: Workload, target: fl
         runs = [
             r
             for r in records
-            if r["workload"] == workload.name
+            if r["workload"] == workload.key
             and r["phase"] == "final"
             and r["optimizer"] == optimizer
         ]
@@ -192,9 +194,19 @@ def final_rows(records: Sequence[dict[str, Any]], workload: Workload, target: fl
             for r in _ok(runs)
             if r["summary"].get("steps")
         ]
+        typical = [
+            ms for r in _ok(runs) if (ms := r["summary"].get("median_iteration_ms")) is not None
+        ]
         finals = tuple(v for r in runs if (v := final_value(r, workload.final_metric)) is not None)
         rows.append(
-            Row(optimizer, target, outcomes, statistics.median(pace) if pace else math.inf, finals)
+            Row(
+                optimizer,
+                target,
+                outcomes,
+                statistics.median(pace) if pace else math.inf,
+                finals,
+                statistics.median(typical) if typical else math.nan,
+            )
         )
     return rows
 

@@ -91,6 +91,9 @@ class Workload:
         reference: The optimizer whose best configuration's final score is the target.
         kfac: The K-FAC optimizer whose time the ratio divides.
         spaces: Optimizer name -> search space, in the order runs alternate.
+        revision: The protocol's revision; a revised protocol is a workload of its own
+            (its trials are told apart by :attr:`key`) and the earlier one is retired.
+        changes: For a revision after the first: what changed and why (for the report).
     """
 
     name: str
@@ -108,6 +111,19 @@ class Workload:
     reference: str | None
     kfac: str
     spaces: dict[str, SearchSpace]
+    revision: int = 1
+    changes: str = ""
+
+    @property
+    def key(self) -> str:
+        """What trials, records and the protocol file know the workload by: its name, with
+        ``-r<revision>`` from the second revision on."""
+        return self.name if self.revision == 1 else f"{self.name}-r{self.revision}"
+
+    @property
+    def title(self) -> str:
+        """The name, with the revision from the second one on (headings)."""
+        return self.name if self.revision == 1 else f"{self.name} (revision {self.revision})"
 
     def schedule_length(self, fraction: float) -> int:
         return max(1, round(self.budget * fraction))
@@ -133,8 +149,10 @@ class Workload:
         return flags
 
     def protocol(self) -> dict[str, Any]:
+        revision = {} if self.revision == 1 else {"revision": self.revision}
         return {
             "name": self.name,
+            **revision,
             "flags": list(self.flags),
             "budget": [self.budget, self.unit],
             "tune_flags": list(self.tune_flags),
@@ -174,7 +192,8 @@ class Trial:
 
 @dataclass(frozen=True)
 class StudyPlan:
-    """The whole study: workloads, trials per optimizer, seeds, world size."""
+    """The whole study: workloads, trials per optimizer, seeds, world size, and the
+    retired revisions of workloads (their trials stay in the report; none runs again)."""
 
     workloads: tuple[Workload, ...]
     trials: int
@@ -183,6 +202,7 @@ class StudyPlan:
     workers: int = 2
     smoke: bool = False
     notes: tuple[str, ...] = ()
+    retired: tuple[Workload, ...] = ()
 
     def workload(self, name: str) -> Workload:
         return next(w for w in self.workloads if w.name == name)
@@ -198,7 +218,7 @@ class StudyPlan:
                 "workers": self.workers,
                 "smoke": self.smoke,
             },
-            "workloads": {w.name: w.protocol() for w in self.workloads},
+            "workloads": {w.key: w.protocol() for w in self.workloads},
         }
 
 
@@ -208,7 +228,7 @@ def tuning_trials(plan: StudyPlan, workload: Workload) -> list[Trial]:
     generator, the same on every restart."""
     drawn = {}
     for optimizer, space in workload.spaces.items():
-        rng = random.Random(f"{plan.tune_seed}/{workload.name}/{optimizer}")
+        rng = random.Random(f"{plan.tune_seed}/{workload.key}/{optimizer}")
         drawn[optimizer] = [space.sample(rng) for _ in range(plan.trials)]
     trials = []
     for index in range(plan.trials):
@@ -217,9 +237,7 @@ def tuning_trials(plan: StudyPlan, workload: Workload) -> list[Trial]:
             flags = workload.flags_for(optimizer, hparams) + list(workload.tune_flags)
             flags += ["--seed", str(plan.tune_seed)]
             trials.append(
-                Trial(
-                    workload.name, optimizer, "tune", index, plan.tune_seed, hparams, tuple(flags)
-                )
+                Trial(workload.key, optimizer, "tune", index, plan.tune_seed, hparams, tuple(flags))
             )
     return trials
 
@@ -228,4 +246,4 @@ def final_trial(workload: Workload, optimizer: str, hparams: dict[str, Any], see
     """The final run of ``optimizer``'s chosen ``hparams`` with ``seed``."""
     flags = workload.flags_for(optimizer, hparams) + list(workload.final_flags)
     flags += ["--seed", str(seed)]
-    return Trial(workload.name, optimizer, "final", seed, seed, hparams, tuple(flags))
+    return Trial(workload.key, optimizer, "final", seed, seed, hparams, tuple(flags))

@@ -91,38 +91,52 @@ def _protocol(plan: StudyPlan) -> list[str]:
     ]
     lines += [f"- Note: {note}" for note in plan.notes]
     for workload in plan.workloads:
-        target = (
-            ", ".join(workload.labels) + f" {workload.final_metric}"
-            if workload.targets
-            else f"the median final {workload.final_metric} of the {workload.reference} "
-            "final runs (its best configuration at the end of its schedule); tuning trials "
-            f"are timed to the best final {workload.tune_metric} of the {workload.reference} "
-            "tuning trials"
-        )
+        lines += ["", f"### Workload {workload.title}", ""]
+        if workload.changes:
+            lines += [f"Changed from revision {workload.revision - 1}: {workload.changes}", ""]
+        lines += _workload_protocol(workload)
+    for workload in plan.retired:
         lines += [
             "",
-            f"### Workload {workload.name}",
+            f"### Retired: workload {workload.title}, revision {workload.revision}",
             "",
-            f"{workload.description}. Budget: {workload.budget} {workload.unit}. "
-            f"Targets: {target}.  ",
-            f"Flags of every run: `{' '.join(workload.flags)}`  ",
-            f"Tuning trials add `{' '.join(workload.tune_flags)}` and are scored on "
-            f"`{workload.tune_metric}`; final runs add `{' '.join(workload.final_flags)}` "
-            f"and are timed on `{workload.final_metric}`.",
+            "Replaced by the next revision above; its trials are listed under Every trial, "
+            "and none runs again.",
             "",
-            "| optimizer | fixed flags | search space |",
-            "|---|---|---|",
+            *_workload_protocol(workload),
         ]
-        for name, space in workload.spaces.items():
-            searched = "; ".join(f"{k}: {d.describe()}" for k, d in space.dimensions.items())
-            lines.append(f"| {name} | `{' '.join(space.fixed)}` | {searched} |")
+    return lines
+
+
+def _workload_protocol(workload: Workload) -> list[str]:
+    target = (
+        ", ".join(workload.labels) + f" {workload.final_metric}"
+        if workload.targets
+        else f"the median final {workload.final_metric} of the {workload.reference} "
+        "final runs (its best configuration at the end of its schedule); tuning trials "
+        f"are timed to the best final {workload.tune_metric} of the {workload.reference} "
+        "tuning trials"
+    )
+    lines = [
+        f"{workload.description}. Budget: {workload.budget} {workload.unit}. Targets: {target}.  ",
+        f"Flags of every run: `{' '.join(workload.flags)}`  ",
+        f"Tuning trials add `{' '.join(workload.tune_flags)}` and are scored on "
+        f"`{workload.tune_metric}`; final runs add `{' '.join(workload.final_flags)}` "
+        f"and are timed on `{workload.final_metric}`.",
+        "",
+        "| optimizer | fixed flags | search space |",
+        "|---|---|---|",
+    ]
+    for name, space in workload.spaces.items():
+        searched = "; ".join(f"{k}: {d.describe()}" for k, d in space.dimensions.items())
+        lines.append(f"| {name} | `{' '.join(space.fixed)}` | {searched} |")
     return lines
 
 
 def _final_section(workload: Workload, records: Sequence[dict[str, Any]], out: Path) -> list[str]:
-    lines = ["", f"### {workload.name}: final runs", ""]
+    lines = ["", f"### {workload.title}: final runs", ""]
     targets = final_targets(records, workload)
-    finished = [r for r in records if r["workload"] == workload.name and r["phase"] == "final"]
+    finished = [r for r in records if r["workload"] == workload.key and r["phase"] == "final"]
     if not targets or not finished:
         return [*lines, "No final runs yet."]
     lines += [
@@ -146,8 +160,8 @@ def _final_section(workload: Workload, records: Sequence[dict[str, Any]], out: P
             )
         decomposition += _where_time_goes(rows, workload, label or workload.name)
     lines += ["", *decomposition]
-    if _plot(workload, records, targets, out / f"{workload.name}.png"):
-        lines += ["", f"![{workload.final_metric} vs training wall time]({workload.name}.png)"]
+    if _plot(workload, records, targets, out / f"{workload.key}.png"):
+        lines += ["", f"![{workload.final_metric} vs training wall time]({workload.key}.png)"]
     else:
         lines += ["", "(plot skipped: matplotlib does not import here)"]
     return lines
@@ -160,11 +174,19 @@ def _where_time_goes(rows: Sequence[Row], workload: Workload, label: str) -> lis
     value, mine, best = found
     steps = mine.median_steps / best.median_steps if best.median_steps else math.nan
     pace = mine.ms_per_step / best.ms_per_step if best.ms_per_step else math.nan
-    return [
+    line = (
         f"- {label}: {workload.kfac} takes {value:.2f}x the time of {best.optimizer} "
         f"(the best other): {steps:.2f}x the steps to the target at {pace:.2f}x the time "
-        "per step."
-    ]
+        "per step"
+    )
+    if math.isfinite(mine.median_step_ms) and mine.ms_per_step > mine.median_step_ms:
+        share = 1 - mine.median_step_ms / mine.ms_per_step
+        line += (
+            f"; its steps take {mine.ms_per_step:.0f} ms on average and {mine.median_step_ms:.0f} "
+            f"ms at the median: the time above the median (refresh steps) is {share:.0%} of "
+            "its total"
+        )
+    return [line + "."]
 
 
 def _plot(
@@ -185,7 +207,7 @@ def _plot(
         runs = [
             r
             for r in records
-            if r["workload"] == workload.name
+            if r["workload"] == workload.key
             and r["phase"] == "final"
             and r["optimizer"] == optimizer
             and r.get("status") == "ok"
@@ -205,7 +227,7 @@ def _plot(
         axis.axhline(target, color="grey", linestyle="--", linewidth=1)
     axis.set_xlabel("training wall time (s), evaluation excluded")
     axis.set_ylabel(workload.final_metric)
-    axis.set_title(f"{workload.name}: final runs (one line per seed)")
+    axis.set_title(f"{workload.title}: final runs (one line per seed)")
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()
@@ -223,12 +245,14 @@ def _trials(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
         f"Every run of the study ({len(records)} runs, {hours:.2f} h of machine time "
         "including start-up and evaluation), in the order it finished; none is left out.",
     ]
-    for workload in plan.workloads:
+    for workload in (*plan.workloads, *plan.retired):
         targets = tuning_targets(records, workload)
-        chosen = {id(r) for r in select(records, workload).values() if r is not None}
+        retired = " (retired)" if workload in plan.retired else ""
+        picks = {} if retired else select(records, workload)
+        chosen = {id(r) for r in picks.values() if r is not None}
         lines += [
             "",
-            f"### {workload.name}",
+            f"### {workload.title}{retired}",
             "",
             f"Tuning targets on {workload.tune_metric}: "
             f"{', '.join(f'{t:.4g}' for t in targets) or 'none yet'}.",
@@ -237,7 +261,7 @@ def _trials(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
             "final score | train s | ms/step | chosen |",
             "|---|---|---:|---:|---|---|---|---:|---:|---:|---|",
         ]
-        for record in (r for r in records if r["workload"] == workload.name):
+        for record in (r for r in records if r["workload"] == workload.key):
             tuning = record["phase"] == "tune"
             metric = workload.tune_metric if tuning else workload.final_metric
             aims = targets if tuning else final_targets(records, workload)
@@ -301,16 +325,16 @@ def write_report(
     ]
     for workload in plan.workloads:
         for optimizer, record in select(records, workload).items():
-            mine = {"workload": workload.name, "phase": "tune", "optimizer": optimizer}
+            mine = {"workload": workload.key, "phase": "tune", "optimizer": optimizer}
             tuned = sum(all(r.get(k) == v for k, v in mine.items()) for r in records)
             if record is None:
-                lines.append(f"| {workload.name} | {optimizer} | — | every trial failed |")
+                lines.append(f"| {workload.title} | {optimizer} | — | every trial failed |")
                 continue
             trial = str(record["index"])
             if tuned < plan.trials:
                 trial += f" (provisional: {tuned} of {plan.trials} trials so far)"
             flags = workload.flags_for(optimizer, record["hparams"]) + list(workload.final_flags)
-            lines.append(f"| {workload.name} | {optimizer} | {trial} | `{' '.join(flags)}` |")
+            lines.append(f"| {workload.title} | {optimizer} | {trial} | `{' '.join(flags)}` |")
     lines += _trials(plan, records)
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")

@@ -12,6 +12,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,12 @@ from study.workloads import build_plan  # noqa: E402
 
 __all__: list[str] = []
 
+#: What the image workload's records are known by (its current revision's key).
+IMAGES = build_plan().workload("fashion-mnist").key
+
 #: Seconds per step of each optimizer in the fake runs, how fast its curve rises at its
-#: best learning rate, and that rate.
+#: best learning rate, and that rate. K-FAC's median step is a quarter below its mean (its
+#: refresh steps).
 PACE = {"sgd": 1.0, "adamw": 1.0, "kfac": 1.2, "muon": 1.1, "soap": 2.0, "kfac-adamw": 1.2}
 RATE = {"sgd": 0.02, "adamw": 0.015, "kfac": 0.04, "muon": 0.03, "soap": 0.03, "kfac-adamw": 0.04}
 BEST_LR = {"sgd": 0.1, "kfac": 0.1, "adamw": 0.003, "muon": 0.003, "soap": 0.003,
@@ -95,7 +100,8 @@ class FakeLauncher:
             for s, v, e in zip(steps, values, epochs, strict=True)
         ]
         summary = {"steps": total, "train_seconds": total * pace, "eval_seconds": 1.0,
-                   "median_iteration_ms": 1e3 * pace, "metrics": rows}  # fmt: skip
+                   "median_iteration_ms": 1e3 * pace * (0.75 if "kfac" in name else 1.0),
+                   "metrics": rows}  # fmt: skip
         (out_dir / "summary.json").write_text(json.dumps(summary))
         return LaunchResult(0, total * pace + 3.0)
 
@@ -190,6 +196,34 @@ def test_another_protocol_is_refused_but_workloads_may_come_one_at_a_time(
     assert code == 2  # refused (6 trials, not 1) before launching anything
 
 
+def test_a_retired_revision_keeps_its_trials_in_the_report_and_out_of_the_results(
+    tmp_path: Path,
+) -> None:
+    plan = build_plan(smoke=True, trials=1, seeds=(1,))
+    first = plan.retired[0]
+    assert (first.key, first.revision, IMAGES) == ("fashion-mnist", 1, "fashion-mnist-r2")
+    # A study that ran revision 1 (tuning and final runs) goes on under revision 2.
+    _study(replace(plan, workloads=(first,), retired=()), tmp_path, FakeLauncher())
+    earlier = _records(tmp_path)
+    assert {r["workload"] for r in earlier} == {"fashion-mnist"} and len(earlier) == 6
+    revised = FakeLauncher()
+    _study(plan, tmp_path, revised)
+    records = _records(tmp_path)
+    assert records[:6] == earlier  # nothing of revision 1 ran again
+    later = [r for r in records[6:] if r["workload"] == IMAGES]
+    assert len(later) == 6 and all(f"-{IMAGES}-" in r["id"] for r in later)
+    report = (tmp_path / "report.md").read_text()
+    assert "### Retired: workload fashion-mnist, revision 1" in report
+    assert "### Workload fashion-mnist (revision 2)" in report
+    assert "Changed from revision 1: every optimizer may end its cosine schedule" in report
+    assert "### fashion-mnist (retired)" in report
+    trial_rows = [line for line in report.splitlines() if re.match(r"\| (tune|final) \|", line)]
+    assert len(trial_rows) == len(records)  # every trial, retired ones included
+    # The results come from revision 2 only: one final run (seed 1) per optimizer, not two.
+    rows = final_rows(records, plan.workload("fashion-mnist"), 0.6)
+    assert [len(row.outcomes) for row in rows] == [1, 1, 1]
+
+
 def test_unknown_optimizer_or_workload_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match=r"unknown optimizer.*lion; choose from"):
         build_plan(optimizers=("lion",))
@@ -211,7 +245,7 @@ def _record(
     seconds: float = 800.0,
     index: int = 0,
     metric: str = "test_accuracy",
-    workload: str = "fashion-mnist",
+    workload: str = IMAGES,
 ) -> dict[str, Any]:
     rows = [{"epoch": s / 200, "step": s, metric: v, "train_seconds": t} for s, t, v in points]
     return {"id": f"{phase}-{optimizer}-{seed}-{index}", "workload": workload,
@@ -286,7 +320,8 @@ def test_the_text_target_comes_from_adamws_best_configuration() -> None:
 
 def test_the_report_puts_the_protocol_first_and_every_trial_in(tmp_path: Path) -> None:
     plan = build_plan(trials=2, seeds=(1, 2, 3))
-    launcher = FakeLauncher(fail="0.0203")  # the first SGD trial's lr: a failed trial
+    first_sgd = tuning_trials(plan, plan.workload("fashion-mnist"))[0]
+    launcher = FakeLauncher(fail=f"{first_sgd.hparams['lr']:g}")  # a failed trial
     _study(plan, tmp_path, launcher)
     records = _records(tmp_path)
     assert sum(r["status"] == "failed" for r in records) == 1
@@ -299,7 +334,9 @@ def test_the_report_puts_the_protocol_first_and_every_trial_in(tmp_path: Path) -
     assert len(trial_rows) == len(records) == len(launcher.calls)
     assert "| failed |" in report and "RuntimeError: boom" in report
     assert "| 92% (0.92) | kfac | 3/3 |" in report
-    for workload in ("fashion-mnist", "text"):
+    # Where K-FAC's time goes: the share of its steps' time above their median.
+    assert "the time above the median (refresh steps) is 25% of its total." in report
+    for workload in (IMAGES, "text"):
         plotted = (tmp_path / f"{workload}.png").exists()
         assert plotted == (f"]({workload}.png)" in report)
         assert plotted or "plot skipped" in report
