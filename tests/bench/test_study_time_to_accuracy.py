@@ -39,8 +39,9 @@ from study.workloads import build_plan  # noqa: E402
 
 __all__: list[str] = []
 
-#: What the image workload's records are known by (its current revision's key).
+#: What the workloads' records are known by (their current revisions' keys).
 IMAGES = build_plan().workload("fashion-mnist").key
+TEXT = build_plan().workload("text").key
 
 #: Seconds per step of each optimizer in the fake runs, how fast its curve rises at its
 #: best learning rate, and that rate. K-FAC's median step is a quarter below its mean (its
@@ -202,6 +203,7 @@ def test_a_retired_revision_keeps_its_trials_in_the_report_and_out_of_the_result
     plan = build_plan(smoke=True, trials=1, seeds=(1,))
     first = plan.retired[0]
     assert (first.key, first.revision, IMAGES) == ("fashion-mnist", 1, "fashion-mnist-r2")
+    assert [w.key for w in plan.retired] == ["fashion-mnist", "text"] and TEXT == "text-r2"
     # A study that ran revision 1 (tuning and final runs) goes on under revision 2.
     _study(replace(plan, workloads=(first,), retired=()), tmp_path, FakeLauncher())
     earlier = _records(tmp_path)
@@ -305,7 +307,7 @@ def test_selection_goes_to_the_fastest_to_the_strictest_target() -> None:
 def test_the_text_target_comes_from_adamws_best_configuration() -> None:
     plan = build_plan()
     workload = plan.workload("text")
-    text = {"workload": "text", "metric": "val_bits_per_byte"}
+    text = {"workload": TEXT, "metric": "val_bits_per_byte"}
     adamw = [_record("adamw", [(300, 90.0, 3.0), (600, 180.0, value)], phase="tune", index=i,
                      **text) for i, value in enumerate((2.6, 2.4, 2.5))]  # fmt: skip
     fast = _record("muon", [(200, 70.0, 2.39), (400, 140.0, 2.3)], phase="tune", **text)
@@ -336,7 +338,7 @@ def test_the_report_puts_the_protocol_first_and_every_trial_in(tmp_path: Path) -
     assert "| 92% (0.92) | kfac | 3/3 |" in report
     # Where K-FAC's time goes: the share of its steps' time above their median.
     assert "the time above the median (refresh steps) is 25% of its total." in report
-    for workload in (IMAGES, "text"):
+    for workload in (IMAGES, TEXT):
         plotted = (tmp_path / f"{workload}.png").exists()
         assert plotted == (f"]({workload}.png)" in report)
         assert plotted or "plot skipped" in report
