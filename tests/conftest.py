@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +11,12 @@ import numpy as np
 import pytest
 
 from idx_data import write_idx, write_tiny_fashion_mnist
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # Under pytest-xdist each worker gets its share of the cores (set before the tests
+    # import torch): without it every worker's torch would use them all.
+    _share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
 
 __all__ = ["idx_writer", "tiny_fashion_mnist"]
 
