@@ -4,15 +4,16 @@
 # --image-size does not apply to Fashion-MNIST (28x28 as stored): the "28" and "32" runs are
 # repeats. sgd28 and kfac28_5_10 ran while a 30-s test file ran on the machine (disturbed).
 # Output: benchmarks/reports/pilot_factor_examples/out.txt (name, steps, mean ms, median ms).
-cd /work/main
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/pilot_factor_examples}; mkdir -p "$OUT"
 run() {
   name=$1; shift
-  rm -rf /work/pilot/$name
+  rm -rf $OUT/$name
   OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 -m spdkfac train \
     --model resnet20 --dataset fashion-mnist --batch-size 128 --no-tensorboard --threads 1 \
     --lr-schedule cosine --epochs 1 --max-steps 60 --evals-per-epoch 1 --val-split 0.1 \
-    --out-dir /work/pilot/$name "$@" > /work/pilot/$name.log 2>&1
-  python3 -c "import json;d=json.load(open('/work/pilot/$name/summary.json'));print('$name', d['steps'], round(1e3*d['train_seconds']/d['steps'],1), round(d['median_iteration_ms'],1))"
+    --out-dir $OUT/$name "$@" > $OUT/$name.log 2>&1
+  python3 -c "import json;d=json.load(open('$OUT/$name/summary.json'));print('$name', d['steps'], round(1e3*d['train_seconds']/d['steps'],1), round(d['median_iteration_ms'],1))"
 }
 run sgd32 --optimizer sgd --momentum 0.9 --nesterov --lr 0.1 --image-size 32
 run sgd28 --optimizer sgd --momentum 0.9 --nesterov --lr 0.1 --image-size 28
