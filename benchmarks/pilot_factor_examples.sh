@@ -2,7 +2,8 @@
 # Pilot before the study's image revision 2 (2026-12-01), kept as it ran: step cost of SGD and
 # K-FAC 5/10 with and without --factor-examples 32, 60 steps each, 2 workers, one thread each.
 # --image-size does not apply to Fashion-MNIST (28x28 as stored): the "28" and "32" runs are
-# repeats. sgd28 and kfac28_5_10 ran while a 30-s test file ran on the machine (disturbed).
+# repeats. sgd28 ran beside a 30-s test file (disturbed); kfac28_5_10 beside a report
+# regeneration at nice 19 (its repeat kfac32_5_10 is the figure quoted).
 # Output: benchmarks/reports/pilot_factor_examples/out.txt (name, steps, mean ms, median ms).
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pilot_factor_examples}; mkdir -p "$OUT"
