@@ -24,7 +24,7 @@ from spdkfac.profiling import Profiler
 from spdkfac.strategies import Strategy
 from spdkfac.update import ReplicatedUpdate
 
-__all__ = ["Stages", "assemble", "routing_hook", "scheduler_for"]
+__all__ = ["Stages", "assemble", "pipeline_group_for", "routing_hook", "scheduler_for"]
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,11 @@ def assemble(
     profiler: Profiler,
     hooks: SwitchableHook | None = None,
     scheduler: CommScheduler | None = None,
+    pipeline_group: Communicator | None = None,
 ) -> Stages:
-    """Plan the placement and build the stages of ``composition`` (a collective only
-    where its policies are: a pipelined fusion creates a process group).
+    """Plan the placement and build the stages of ``composition`` (no collective: the
+    process groups it may need are created once, by :func:`scheduler_for` and
+    :func:`pipeline_group_for`).
 
     Args:
         composition: The strategy row.
@@ -66,8 +68,15 @@ def assemble(
         profiler: Where spans are recorded.
         hooks: The DDP hook registered once by :func:`routing_hook` (None otherwise).
         scheduler: The communication scheduler (``comm_scheduler="priority"``; None).
+        pipeline_group: The group a pipelined fusion's buckets travel on (required then,
+            with several ranks).
     """
     assert composition.fusion is not None and composition.placement_policy is not None
+    if composition.fusion.eager and communicator.world_size > 1:
+        assert pipeline_group is not None, "a pipelined fusion needs pipeline_group_for()"
+        exchange_group = pipeline_group
+    else:
+        exchange_group = communicator
     if composition.comm_scheduler != "priority":
         scheduler = None  # the hook's default path is DDP's all-reduce then
     specs = [spec for block in blocks for spec in block.inverse_specs()]
@@ -111,6 +120,7 @@ def assemble(
         grad_scale=grad_scale,
         examples=config.factor_options.examples,
         scheduler=scheduler,
+        exchange_group=exchange_group,
         profiler=profiler,
     )
     return Stages(composition, update, inverses, collector)
@@ -122,11 +132,26 @@ def scheduler_for(
     """The communication scheduler, with a process group of its own (a collective), when
     a composition the preconditioner may use has ``comm_scheduler="priority"`` on a group
     of several ranks; None otherwise."""
-    rows = config.candidate_rows if config.strategy == "auto" else [config.composition]
-    wanted = any(row.comm_scheduler == "priority" for row in rows)
+    wanted = any(row.comm_scheduler == "priority" for row in _rows(config))
     if not wanted or communicator.world_size == 1:
         return None
     return CommScheduler(communicator.duplicate(), costs.allreduce)
+
+
+def pipeline_group_for(config: KFACConfig, communicator: Communicator) -> Communicator | None:
+    """The process group pipelined factor buckets travel on (a collective), created once
+    when a composition the preconditioner may use has a pipelined fusion on a group of
+    several ranks, and shared by every collector ``strategy="auto"`` assembles; None
+    otherwise."""
+    wanted = any(row.fusion is not None and row.fusion.eager for row in _rows(config))
+    if not wanted or communicator.world_size == 1:
+        return None
+    return communicator.duplicate()
+
+
+def _rows(config: KFACConfig) -> list[Strategy]:
+    """The compositions a preconditioner of ``config`` may use."""
+    return config.candidate_rows if config.strategy == "auto" else [config.composition]
 
 
 def routing_hook(

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from spdkfac.agreement import discover_agreed_blocks, shared_cost_model
-from spdkfac.assembly import assemble, routing_hook, scheduler_for
+from spdkfac.assembly import assemble, pipeline_group_for, routing_hook, scheduler_for
 from spdkfac.autotune import AutoChoice, AutoTuner
 from spdkfac.comm import BucketLaunches, Communicator, make_communicator
 from spdkfac.comm.fusion import FusionPlan
@@ -138,6 +138,7 @@ class KFACPreconditioner(Snapshots):
         costs = shared_cost_model(self._communicator, cost_model)
         self._auto = AutoTuner.of(self.config, self._communicator)
         self._scheduler = scheduler_for(self.config, self._communicator, costs)
+        pipeline_group = pipeline_group_for(self.config, self._communicator)
         self._hooks = routing_hook(model, self._auto, self._scheduler)
         self._assemble = functools.partial(
             assemble,
@@ -150,6 +151,7 @@ class KFACPreconditioner(Snapshots):
             profiler=self.profiler,
             hooks=self._hooks,
             scheduler=self._scheduler,
+            pipeline_group=pipeline_group,
         )
         start = self._auto.current if self._auto else self.config.composition
         self._use(self._assemble(start, config=self.config))

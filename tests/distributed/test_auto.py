@@ -5,6 +5,7 @@ size, re-runs) the choice."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -66,6 +67,23 @@ def _train(strategy: str, rank: int, world_size: int, clock_skew: bool = False):
     return precond, params, compositions
 
 
+def _counting_groups(run):
+    """``run()``'s result and how many process groups it created."""
+    created = [0]
+    new_group = dist.new_group
+
+    def counting(*args, **kwargs):
+        created[0] += 1
+        return new_group(*args, **kwargs)
+
+    dist.new_group = counting
+    try:
+        precond, _, compositions = run()
+    finally:
+        dist.new_group = new_group
+    return precond, compositions, created[0]
+
+
 def _worker(rank: int, world_size: int, saved: dict | None) -> dict[str, object]:
     out: dict[str, object] = {}
     auto, params, compositions = _train("auto", rank, world_size)
@@ -75,8 +93,10 @@ def _worker(rank: int, world_size: int, saved: dict | None) -> dict[str, object]
     out["describe"] = choice.describe()
     _, fixed, _ = _train(choice.chosen, rank, world_size)
     out["params"], out["fixed"] = params, fixed
-    skewed, _, _ = _train("auto", rank, world_size, clock_skew=True)
+    skewed, _, groups = _counting_groups(lambda: _train("auto", rank, world_size, clock_skew=True))
     assert skewed.strategy_choice is not None
+    # spd-kfac is tried twice: its pipelined buckets' group is created once, for all.
+    out["groups"] = groups
     out["skewed"] = skewed.strategy_choice.chosen, skewed.strategy_choice.finalists
     out["state"] = auto.state_dict()
     if saved is not None:  # a state dict of another world size: the trials run again
@@ -98,6 +118,7 @@ def _check(results: list[dict[str, object]]) -> None:
         assert result["compositions"] == results[0]["compositions"]
         # argmin of the slowest rank's means, after a second round of the two close ones
         assert result["skewed"] == ("osawa", ("osawa", "spd-kfac"))
+        assert result["groups"] == 1
         assert result["same_world"] == (chosen, chosen)  # kept without new trials
         for name, value in result["params"].items():  # type: ignore[union-attr]
             torch.testing.assert_close(value, result["fixed"][name])  # type: ignore[index]

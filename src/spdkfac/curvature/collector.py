@@ -59,6 +59,11 @@ class FactorCollector:
             (:attr:`~spdkfac.layers.FactorOptions.examples`; None: all).
         scheduler: Orders a pipelined exchange's buckets with DDP's gradient buckets
             (``comm_scheduler="priority"``; None: the exchange has a group of its own).
+        exchange_group: The group the exchange runs on (None: ``communicator``). A
+            pipelined fusion launches buckets from hooks, so it needs a group of its own
+            (a duplicate of ``communicator``) that never interleaves with DDP's gradient
+            all-reduces on the default group; the caller creates it once, since creating
+            a group is a collective and a preconditioner may assemble several collectors.
         profiler: Where spans are recorded.
     """
 
@@ -78,6 +83,7 @@ class FactorCollector:
         grad_scale: Callable[[], float] | None = None,
         examples: int | None = None,
         scheduler: CommScheduler | None = None,
+        exchange_group: Communicator | None = None,
         profiler: Profiler,
     ) -> None:
         self._blocks = {block.name: block for block in blocks}
@@ -108,6 +114,7 @@ class FactorCollector:
         self._exchange = self._make_exchange(
             [slot for slot in slots if slot.symmetric],
             fusion,
+            communicator if exchange_group is None else exchange_group,
             allreduce=allreduce,
             bucket_cap_bytes=bucket_cap_bytes,
             warmup_steps=fusion_warmup_steps,
@@ -125,6 +132,7 @@ class FactorCollector:
         self,
         symmetric: Sequence[Slot],
         fusion: FusionPolicy,
+        group: Communicator,
         *,
         allreduce: AlphaBetaModel,
         bucket_cap_bytes: int,
@@ -134,10 +142,7 @@ class FactorCollector:
     ) -> FactorPipeline | LocalFactorExchange:
         if self._communicator.world_size == 1:
             return LocalFactorExchange()
-        # Buckets launched from hooks get a group of their own, so they never interleave
-        # with DDP's gradient all-reduces on the default group (or the scheduler orders
-        # both on its own group).
-        group = self._communicator.duplicate() if fusion.eager else self._communicator
+        # With a scheduler, it orders hook-launched buckets and DDP's on its own group.
         scheduler = self._scheduler if fusion.eager else None
         if scheduler is not None:
             group = scheduler.stream(FACTORS, group)
