@@ -188,7 +188,7 @@ def _fusion(
     # Measured policies plan from the hand-over times of the compute-only timeline, as
     # the real one plans from rank 0's measurements: from the step's first hand-over,
     # the clock of ``busy`` (which counts from the forward pass's start) too.
-    a_times, g_times = _first_hand_overs(costs)
+    a_times, g_times = _hand_overs_by_key(costs)
     a_keys = tuple(sorted(a_order, key=lambda key: a_times[key]))
     g_keys = tuple(sorted(g_order, key=lambda key: g_times[key]))
     origin = min((*a_times.values(), *g_times.values()), default=0.0)
@@ -205,7 +205,8 @@ def _fusion(
     )
 
 
-def _first_hand_overs(costs: WorkloadCosts) -> tuple[dict[str, float], dict[str, float]]:
+def _hand_overs_by_key(costs: WorkloadCosts) -> tuple[dict[str, float], dict[str, float]]:
+    """When each A and G factor is complete on the compute-only timeline, by slot key."""
     a_ready, g_ready = hand_over_times(costs)
     workload = costs.workload
     a_hooks = [i.layer for i in workload.forward if isinstance(i, FactorHook)]
