@@ -328,7 +328,8 @@ def write_report(
             mine = {"workload": workload.key, "phase": "tune", "optimizer": optimizer}
             tuned = sum(all(r.get(k) == v for k, v in mine.items()) for r in records)
             if record is None:
-                lines.append(f"| {workload.title} | {optimizer} | — | every trial failed |")
+                why = "every trial failed" if tuned else "no trial has run yet"
+                lines.append(f"| {workload.title} | {optimizer} | — | {why} |")
                 continue
             trial = str(record["index"])
             if tuned < plan.trials:

@@ -32,7 +32,7 @@ from study.analysis import (  # noqa: E402
 )
 from study.driver import planned_trials, run_study  # noqa: E402
 from study.protocol import Choice, LogUniform, StudyPlan, tuning_trials  # noqa: E402
-from study.report import ratio_lines  # noqa: E402
+from study.report import ratio_lines, write_report  # noqa: E402
 from study.runner import LaunchResult  # noqa: E402
 from study.store import ProtocolMismatchError, TrialStore  # noqa: E402
 from study.workloads import build_plan  # noqa: E402
@@ -145,6 +145,9 @@ def test_a_killed_study_continues_where_it_stopped(tmp_path: Path) -> None:
     assert len(done) == 3
     fourth = tuning_trials(plan, plan.workloads[0])[3]
     assert (tmp_path / "runs" / f"{fourth.id}.partial").exists()
+    # The report of a stopped study says which optimizers have not started tuning.
+    report = write_report(plan, _records(tmp_path), tmp_path, "study").read_text()
+    assert "no trial has run yet" in report and "every trial failed" not in report
 
     resumed = FakeLauncher()
     _study(plan, tmp_path, resumed)
