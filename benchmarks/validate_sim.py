@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from spdkfac.bench.results import BenchResults, VariantResult, iteration_stats
-from spdkfac.costmodel import AlphaBetaModel, PolynomialInverseModel
+from spdkfac.bench.costs import read_cost_model
+from spdkfac.bench.results import BenchResults, iteration_stats
 from spdkfac.profiling import BREAKDOWN_CATEGORIES
 from spdkfac.sim import (
     CommunicationModel,
@@ -48,7 +48,6 @@ from spdkfac.sim import (
     trace_workload,
 )
 
-_FLOAT = r"([0-9.]+(?:e[-+]?[0-9]+)?)"
 #: Measured-compute files, by model and batch size (benchmarks/measure_sim_compute.py).
 MEASURED = "benchmarks/reports/sim_measured_{model}_b{batch}.json"
 #: The profiled run the "profiled" compute comes from, by model.
@@ -67,21 +66,6 @@ RUN_SETS: tuple[tuple[str, str, str | None, bool], ...] = (
 )
 PROFILED_VARIANT = "d-kfac"
 LIMIT = 0.15
-
-
-def _inverse(text: str) -> PolynomialInverseModel:
-    match = re.search(rf"=\s*{_FLOAT}\s*\+\s*{_FLOAT}·d²\s*\+\s*{_FLOAT}·d³", text)
-    if match is None:
-        raise ValueError(f"cannot parse the inverse model {text!r}")
-    c0, c2, c3 = (float(value) for value in match.groups())
-    return PolynomialInverseModel(c0=c0, c2=c2, c3=c3)
-
-
-def _alpha_beta(text: str) -> AlphaBetaModel:
-    match = re.search(rf"α\s*{_FLOAT}\s*ms,\s*β\s*{_FLOAT}\s*ns/B", text)
-    if match is None:
-        raise ValueError(f"cannot parse the α-β model {text!r}")
-    return AlphaBetaModel(alpha=float(match.group(1)) * 1e-3, beta=float(match.group(2)) * 1e-9)
 
 
 def _intervals(results: BenchResults) -> tuple[int, int]:
@@ -116,11 +100,8 @@ def run_costs(results: BenchResults) -> Hardware:
     follows the small messages (on the tbf link a 256 KiB burst passes at full speed); the
     factor buckets are megabytes, so their time follows the large-message β.
     """
-    costs = results.cost_model
-    broadcast, allreduce = (
-        _alpha_beta(str(costs["broadcast"])),
-        _alpha_beta(str(costs["all-reduce"])),
-    )
+    costs = read_cost_model(results.cost_model)
+    broadcast, allreduce = costs.broadcast, costs.allreduce
     planning = CommunicationModel({results.world_size: (broadcast, allreduce)}, scaling="ring")
     link = _link_measurements(results.link)
     communication = planning
@@ -142,7 +123,7 @@ def run_costs(results: BenchResults) -> Hardware:
         knobs["contention_spread"] = min(2.0, link["contention_spread"])
     return replace(
         cpu_preset(),
-        inverse=_inverse(str(costs["inverse"])),
+        inverse=costs.inverse,
         communication=communication,
         planning=planning,
         **knobs,
@@ -178,10 +159,6 @@ def _simulate(
     }
 
 
-def _mean_iteration(variant: VariantResult) -> float:
-    return statistics.fmean(variant.measured)
-
-
 def _table(
     results: BenchResults, simulated: dict[str, StrategyResult], calibration: str = ""
 ) -> list[str]:
@@ -195,7 +172,7 @@ def _table(
         result = simulated[variant.name]
         cells = [
             _cell(result.iteration_s, iteration_stats(variant).median),
-            _cell(result.iteration_s, _mean_iteration(variant)),
+            _cell(result.iteration_s, statistics.fmean(variant.measured)),
         ]
         cells += [
             _cell(result.breakdown[c], variant.breakdown.get(c, 0.0)) for c in BREAKDOWN_CATEGORIES

@@ -91,7 +91,14 @@ def test_presets_expand_in_order_without_duplicates() -> None:
     assert parse_variants("sgd,main")[:2] == ("sgd", "d-kfac")
 
 
-@pytest.mark.parametrize("text", ["", " , ", "sgd,adam", "fig9"])
+def test_a_preset_wins_over_its_variant_and_the_prefix_names_the_variant_alone() -> None:
+    assert parse_variants("auto") == PRESETS["auto"]
+    assert len(PRESETS["osawa"]) > 1
+    assert parse_variants("variant:auto") == ("auto",)
+    assert parse_variants("d-kfac, variant:osawa, variant:d-kfac") == ("d-kfac", "osawa")
+
+
+@pytest.mark.parametrize("text", ["", " , ", "sgd,adam", "fig9", "variant:main"])
 def test_bad_variant_lists_are_rejected(text: str) -> None:
     with pytest.raises(ValueError, match="variant"):
         parse_variants(text)

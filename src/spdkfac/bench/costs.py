@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "describe_cost_model",
     "factor_dims",
     "fit_live_cost_model",
+    "read_cost_model",
     "unpack_seconds",
 ]
 
@@ -99,3 +101,39 @@ def describe_cost_model(model: CostModel, source: str) -> dict[str, Any]:
         "broadcast": _alpha_beta(model.broadcast),
         "all-reduce": _alpha_beta(model.allreduce),
     }
+
+
+_FLOAT = r"([0-9.]+(?:e[-+]?[0-9]+)?)"
+
+
+def _read(pattern: str, text: object, what: str) -> list[float]:
+    match = re.search(pattern, str(text))
+    if match is None:
+        raise ValueError(f"cannot parse the {what} {text!r}")
+    return [float(value) for value in match.groups()]
+
+
+def read_cost_model(described: Mapping[str, Any]) -> CostModel:
+    """The cost model :func:`describe_cost_model` printed (to its printed precision), e.g.
+    from a committed ``results.json``.
+
+    Raises:
+        ValueError: Naming an entry that is not in the printed form.
+    """
+    c0, c2, c3 = _read(
+        rf"=\s*{_FLOAT}\s*\+\s*{_FLOAT}·d²\s*\+\s*{_FLOAT}·d³",
+        described["inverse"],
+        "inverse model",
+    )
+
+    def alpha_beta(key: str) -> AlphaBetaModel:
+        alpha, beta = _read(
+            rf"α\s*{_FLOAT}\s*ms,\s*β\s*{_FLOAT}\s*ns/B", described[key], f"{key} model"
+        )
+        return AlphaBetaModel(alpha=alpha * 1e-3, beta=beta * 1e-9)
+
+    return CostModel(
+        inverse=PolynomialInverseModel(c0=c0, c2=c2, c3=c3),
+        broadcast=alpha_beta("broadcast"),
+        allreduce=alpha_beta("all-reduce"),
+    )

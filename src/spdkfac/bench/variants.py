@@ -9,6 +9,7 @@ from types import MappingProxyType
 from spdkfac.strategies import AUTO_CANDIDATES, SGD, STRATEGIES, Strategy
 
 __all__ = [
+    "ONE_VARIANT",
     "PRESETS",
     "VARIANTS",
     "Variant",
@@ -122,8 +123,15 @@ def preconditioner_kwargs(name: str) -> dict[str, str] | None:
     return None if kfac is None else dict(kfac)
 
 
+#: Prefix naming one variant even where a preset has its name (``variant:auto``).
+ONE_VARIANT = "variant:"
+
+
 def parse_variants(text: str) -> tuple[str, ...]:
     """Variant names from a comma list of names and presets, duplicates dropped, in order.
+
+    A preset wins over the variant of the same name (``osawa``, ``auto``); ``variant:NAME``
+    is always the one variant.
 
     Raises:
         ValueError: Naming an unknown entry, or when the list is empty.
@@ -132,13 +140,17 @@ def parse_variants(text: str) -> tuple[str, ...]:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        if item in PRESETS:
+        one = item.removeprefix(ONE_VARIANT)
+        if one == item and item in PRESETS:
             expanded: Sequence[str] = PRESETS[item]
-        elif item in VARIANTS:
-            expanded = (item,)
+        elif one in VARIANTS:
+            expanded = (one,)
         else:
             known = ", ".join([*PRESETS, *VARIANTS])
-            raise ValueError(f"unknown variant {item!r}; choose from {known}")
+            raise ValueError(
+                f"unknown variant {item!r}; choose from {known} ({ONE_VARIANT}NAME: the "
+                "variant even where a preset has its name)"
+            )
         names.extend(name for name in expanded if name not in names)
     if not names:
         raise ValueError(f"--variants needs at least one variant, got {text!r}")

@@ -73,7 +73,8 @@ def add_parser(verbs: Any) -> None:
         "--variants",
         type=_variants,
         default=PRESETS["main"],
-        help=f"comma list of {', '.join(VARIANTS)} or presets ({presets}); default main",
+        help=f"comma list of {', '.join(VARIANTS)} or presets ({presets}; a preset wins "
+        "over the variant of its name, variant:NAME is the variant alone); default main",
     )
     add("--iters", type=positive_int, default=30, help="iterations per variant (with warm-up)")
     add("--warmup", type=non_negative_int, default=3, help="iterations per variant not counted")
