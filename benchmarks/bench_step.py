@@ -13,7 +13,10 @@ Sections (any combination):
 * ``--inversion``: inverting every factor one call each against batched by size, and
   against another checkout's ``damped_inverse`` (``--baseline-linalg``).
 * ``--finite``: ``is_finite`` of every factor, and another checkout's (same option).
-* ``--profile N``: where N steps of K-FAC 1/1 spend their time (the profiler's spans).
+* ``--profile N``: where N steps of K-FAC 1/1 (or the first ``--kfac``) spend their time
+  (the profiler's spans).
+* ``--kfac LABEL=key:value,...`` (repeatable): K-FAC variants to compare and profile instead
+  of 1/1 and 10/100, e.g. ``--kfac 'fe32=factor_update_steps:5,factor_examples:32'``.
 
 Sections other than ``--inversion`` also run against older checkouts (``PYTHONPATH``).
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import json
 import platform
 import statistics
 import sys
@@ -43,16 +47,39 @@ from spdkfac.comm import LocalCommunicator
 from spdkfac.comm.exchange import FactorExchange
 from spdkfac.comm.fusion import FusionPlan
 from spdkfac.curvature import running_average
-from spdkfac.layers import lookup
+from spdkfac.layers import FactorOptions, lookup
 from spdkfac.linalg import damped_inverse, is_finite, pack_triu, unpack_triu
 from spdkfac.models import build_model
 
-#: (label, factor_update_steps, inv_update_steps) of the step comparison; None: plain SGD.
-_STEP_VARIANTS: tuple[tuple[str, tuple[int, int] | None], ...] = (
-    ("SGD", None),
-    ("K-FAC 1/1", (1, 1)),
-    ("K-FAC 10/100", (10, 100)),
-)
+#: K-FAC variants of the step comparison and the profile unless ``--kfac`` names others:
+#: label -> ``KFACPreconditioner`` keyword arguments.
+_KFAC_VARIANTS: dict[str, dict[str, Any]] = {
+    "K-FAC 1/1": {"factor_update_steps": 1, "inv_update_steps": 1},
+    "K-FAC 10/100": {"factor_update_steps": 10, "inv_update_steps": 100},
+}
+
+
+def parse_kfac(text: str) -> tuple[str, dict[str, Any]]:
+    """``LABEL=key:value,...`` (``KFACPreconditioner`` keywords; ``factor_examples`` sets
+    ``factor_options``) as (label, keyword arguments)."""
+    label, _, pairs = text.partition("=")
+    kwargs: dict[str, Any] = {}
+    for pair in filter(None, pairs.split(",")):
+        key, _, value = pair.partition(":")
+        try:
+            kwargs[key.strip()] = json.loads(value)  # numbers
+        except ValueError:
+            kwargs[key.strip()] = value
+    if "factor_examples" in kwargs:
+        kwargs["factor_options"] = FactorOptions(examples=kwargs.pop("factor_examples"))
+    if not label or not kwargs:
+        raise argparse.ArgumentTypeError(f"--kfac needs LABEL=key:value,..., got {text!r}")
+    return label, kwargs
+
+
+def _uniform(kwargs: dict[str, Any]) -> bool:
+    """Whether every step of the variant is alike (it refreshes everything every step)."""
+    return all(kwargs.get(k, 1) == 1 for k in ("factor_update_steps", "inv_update_steps"))
 
 
 def compare_steps(
@@ -62,25 +89,21 @@ def compare_steps(
     steps: int,
     round_steps: int,
     uniform_steps: int,
+    variants: dict[str, dict[str, Any]],
 ) -> None:
-    """Time training steps of each variant of :data:`_STEP_VARIANTS` (one copy of the model
-    each, same batch), interleaved ``round_steps`` at a time, and print a table: ``steps``
-    of the amortized variant (a whole refresh cycle), ``uniform_steps`` of the variants
-    whose every step is alike (SGD, 1/1)."""
+    """Time training steps of SGD and each K-FAC variant (one copy of the model each, same
+    batch), interleaved ``round_steps`` at a time, and print a table: ``steps`` of the
+    amortized variants (whole refresh cycles), ``uniform_steps`` of the variants whose every
+    step is alike (SGD, 1/1)."""
     runs: list[tuple[str, Callable[[], None]]] = []
-    for label, intervals in _STEP_VARIANTS:
+    wanted: dict[str, int] = {}
+    for label, kwargs in {"SGD": None, **variants}.items():
         replica = copy.deepcopy(model).train()
         optimizer = torch.optim.SGD(replica.parameters(), lr=0.01, momentum=0.9)
         precond = (
-            None
-            if intervals is None
-            else KFACPreconditioner(
-                replica,
-                optimizer=optimizer,
-                factor_update_steps=intervals[0],
-                inv_update_steps=intervals[1],
-            )
+            None if kwargs is None else KFACPreconditioner(replica, optimizer=optimizer, **kwargs)
         )
+        wanted[label] = uniform_steps if kwargs is None or _uniform(kwargs) else steps
 
         def train_step(
             replica: nn.Module = replica,
@@ -97,10 +120,6 @@ def compare_steps(
         for _ in range(3):
             train_step()
     times: dict[str, list[float]] = {label: [] for label, _ in runs}
-    wanted = {
-        label: steps if intervals is not None and intervals != (1, 1) else uniform_steps
-        for label, intervals in _STEP_VARIANTS
-    }
     index = 0
     while any(len(times[label]) < wanted[label] for label in times):
         shift = index % len(runs)  # rotate the order: no variant always runs first
@@ -284,19 +303,13 @@ def time_inversion(
 
 
 def profile_step(
-    model: nn.Module, inputs: Tensor, targets: Tensor, steps: int, intervals: tuple[int, int]
+    model: nn.Module, inputs: Tensor, targets: Tensor, steps: int, variant: str, kwargs: Any
 ) -> None:
     """Mean milliseconds per step of each profiled piece of K-FAC (``profile=True``
     spans, per-layer ones summed by phase) over ``steps`` steps after two warm-up steps."""
     replica = copy.deepcopy(model).train()
     optimizer = torch.optim.SGD(replica.parameters(), lr=0.01, momentum=0.9)
-    precond = KFACPreconditioner(
-        replica,
-        optimizer=optimizer,
-        factor_update_steps=intervals[0],
-        inv_update_steps=intervals[1],
-        profile=True,
-    )
+    precond = KFACPreconditioner(replica, optimizer=optimizer, profile=True, **kwargs)
     start = 0.0
     for step in range(steps + 2):
         if step == 2:
@@ -313,7 +326,7 @@ def profile_step(
         named = piece in ("all", "running_average", "pack", "unpack", "local", "kl_clip")
         label = f"{phase}/{piece if named else '<each>'}"
         totals[label] = totals.get(label, 0.0) + event.duration
-    print(f"\n## Profile of K-FAC {intervals[0]}/{intervals[1]} ({steps} steps)\n")
+    print(f"\n## Profile of {variant} ({steps} steps)\n")
     print(f"iteration: {1000 * elapsed:.1f} ms (forward, backward, step, optimizer)\n")
     print("| span | ms per step |")
     print("|---|---|")
@@ -341,8 +354,20 @@ def main() -> None:
         "--baseline-linalg", default=None, help="a linalg.py whose damped_inverse --inversion adds"
     )
     parser.add_argument("--finite", action="store_true", help="time the finiteness checks")
-    parser.add_argument("--profile", type=int, default=0, help="steps of K-FAC 1/1 to profile")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="steps to profile of the first K-FAC variant"
+    )
+    parser.add_argument(
+        "--kfac",
+        type=parse_kfac,
+        action="append",
+        default=[],
+        metavar="LABEL=KEY:VALUE,...",
+        help="a K-FAC variant of --steps and --profile (repeatable; replaces 1/1 and 10/100), "
+        "e.g. 'reduce 5/10=factor_update_steps:5,inv_update_steps:10,weight_sharing:reduce'",
+    )
     args = parser.parse_args()
+    variants = dict(args.kfac) or _KFAC_VARIANTS
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = build_model(
@@ -362,10 +387,11 @@ def main() -> None:
     if args.inversion:
         time_inversion(model, inputs, targets, args.repeats, args.baseline_linalg)
     if args.profile > 0:
-        profile_step(model, inputs, targets, args.profile, (1, 1))
+        label, kwargs = next(iter(variants.items()))
+        profile_step(model, inputs, targets, args.profile, label, kwargs)
     if args.steps > 0:
         uniform = args.steps if args.uniform_steps is None else args.uniform_steps
-        compare_steps(model, inputs, targets, args.steps, args.round_steps, uniform)
+        compare_steps(model, inputs, targets, args.steps, args.round_steps, uniform, variants)
 
 
 if __name__ == "__main__":
