@@ -15,6 +15,7 @@ from distributed_helper import run_command, run_distributed
 from spdkfac.calibrate import (
     Budget,
     calibrate,
+    describe_device,
     format_report,
     measure_collectives,
     measure_inverses,
@@ -70,6 +71,22 @@ def test_single_process_calibration(tmp_path: Path) -> None:
     assert CalibrationFile.load(path) == calibration
     report = format_report(calibration)
     assert "c0 + c2·d² + c3·d³" in report and "| 32 |" in report
+
+
+def test_a_cpu_is_told_apart_by_family_model_and_stepping(tmp_path: Path) -> None:
+    # Two processors; only the first block counts. A virtual machine's generic name alone
+    # would not tell two CPUs apart.
+    block = "processor\t: {0}\nmodel name\t: Intel(R) Xeon(R) Processor\ncpu family\t: 6\n"
+    block += "model\t\t: 167\nstepping\t: {0}\n\n"
+    info = tmp_path / "cpuinfo"
+    info.write_text(block.format(1) + block.format(7))
+    described = describe_device(torch.device("cpu"), cpuinfo=str(info))
+    assert described.startswith(
+        "Intel(R) Xeon(R) Processor (cpu family 6, model 167, stepping 1; "
+    ), described
+    assert described.endswith(" logical CPUs)")
+    missing = describe_device(torch.device("cpu"), cpuinfo=str(tmp_path / "absent"))
+    assert "stepping" not in missing and missing.endswith(" logical CPUs)")
 
 
 def test_budget_skips_larger_items_and_says_so() -> None:

@@ -5,6 +5,13 @@ checkpoints excluded, everything else in) at the first evaluation at or past the
 A run that never gets there counts as its full budget: the workload's budget in steps,
 and the run's own seconds per step times that many steps. A run that failed has no rate
 and counts as infinitely slow.
+
+Tuning trials are compared within an optimizer, and they may have run on different
+machines (a study stops and continues across sessions): their times to the targets are
+compared in *reference steps*, the seconds divided by the time of one step of the
+workload's pace reference optimizer on the same machine (:func:`reference_paces`). On one
+machine that is the declared rule (seconds) scaled by a constant; K-FAC's costlier steps
+still count in full.
 """
 
 from __future__ import annotations
@@ -25,8 +32,11 @@ __all__ = [
     "final_rows",
     "final_targets",
     "final_value",
+    "machine_of",
     "outcome",
     "ratio",
+    "reference_paces",
+    "reference_steps",
     "select",
     "tuning_key",
     "tuning_targets",
@@ -106,11 +116,48 @@ def tuning_targets(records: Sequence[dict[str, Any]], workload: Workload) -> tup
     return (max(values) if workload.higher_is_better else min(values),)
 
 
+#: The machine of a record written before the study recorded machines (every run until
+#: 2026-12-01 22:59 UTC, when the study's machine changed).
+UNRECORDED = "not recorded"
+
+
+def machine_of(record: dict[str, Any]) -> str:
+    """The CPU a run ran on, as the study recorded it."""
+    return str(record.get("machine") or UNRECORDED)
+
+
+def reference_paces(records: Sequence[dict[str, Any]], workload: Workload) -> dict[str, float]:
+    """Machine -> median ms per step of the workload's pace reference's tuning trials
+    there."""
+    paces: dict[str, list[float]] = {}
+    reference = workload.pace_reference
+    for record in _ok(records, workload=workload.key, phase="tune", optimizer=reference):
+        summary = record["summary"]
+        if summary.get("steps"):
+            ms = 1e3 * float(summary["train_seconds"]) / float(summary["steps"])
+            paces.setdefault(machine_of(record), []).append(ms)
+    return {machine: statistics.median(values) for machine, values in paces.items()}
+
+
+def reference_steps(seconds: float, record: dict[str, Any], paces: dict[str, float]) -> float:
+    """``seconds`` of ``record``'s run in steps of the pace reference on its machine (on a
+    machine without a reference trial yet: at the median pace over the others; with none
+    at all: at 1 s per step)."""
+    pace = paces.get(machine_of(record))
+    if pace is None:
+        pace = statistics.median(paces.values()) if paces else 1e3
+    return 1e3 * seconds / pace
+
+
 def tuning_key(
-    record: dict[str, Any], workload: Workload, targets: Sequence[float]
+    record: dict[str, Any],
+    workload: Workload,
+    targets: Sequence[float],
+    paces: dict[str, float] | None = None,
 ) -> tuple[float, ...]:
-    """Sort key of a tuning trial, smaller is better: seconds to each target, strictest
-    first (never reached: inf), then the final score (larger first for accuracies)."""
+    """Sort key of a tuning trial, smaller is better: reference steps (seconds, see
+    :func:`reference_steps`) to each target, strictest first (never reached: inf), then the
+    final score (larger first for accuracies)."""
     if record.get("status") != "ok":
         return (math.inf,) * (len(targets) + 1)
     strictest = sorted(targets, reverse=workload.higher_is_better)
@@ -120,7 +167,10 @@ def tuning_key(
         last = math.inf
     else:
         last = -value if workload.higher_is_better else value
-    return (*(o.seconds if o.reached else math.inf for o in times), last)
+    cost = [
+        reference_steps(o.seconds, record, paces or {}) if o.reached else math.inf for o in times
+    ]
+    return (*cost, last)
 
 
 def select(
@@ -129,10 +179,11 @@ def select(
     """Each optimizer's best tuning trial (None when all of them failed); ties go to the
     earlier trial."""
     targets = tuning_targets(records, workload)
+    paces = reference_paces(records, workload)
     chosen: dict[str, dict[str, Any] | None] = {}
     for optimizer in workload.spaces:
         trials = _ok(records, workload=workload.key, phase="tune", optimizer=optimizer)
-        ranked = sorted(trials, key=lambda r: (tuning_key(r, workload, targets), r["index"]))
+        ranked = sorted(trials, key=lambda r: (tuning_key(r, workload, targets, paces), r["index"]))
         chosen[optimizer] = ranked[0] if ranked else None
     return chosen
 

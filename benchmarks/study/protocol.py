@@ -121,6 +121,12 @@ class Workload:
         return self.name if self.revision == 1 else f"{self.name}-r{self.revision}"
 
     @property
+    def pace_reference(self) -> str:
+        """The optimizer whose step is the unit tuning trials are compared in across
+        machines: the reference optimizer, or the first (the plain baseline)."""
+        return self.reference or next(iter(self.spaces))
+
+    @property
     def title(self) -> str:
         """The name, with the revision from the second one on (headings)."""
         return self.name if self.revision == 1 else f"{self.name} (revision {self.revision})"

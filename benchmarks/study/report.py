@@ -21,8 +21,11 @@ from study.analysis import (
     final_rows,
     final_targets,
     final_value,
+    machine_of,
     outcome,
     ratio,
+    reference_paces,
+    reference_steps,
     select,
     tuning_targets,
 )
@@ -76,8 +79,9 @@ def _protocol(plan: StudyPlan) -> list[str]:
         "carved from the training data (`--val-split`); the test set is never looked at. "
         "No early stopping: every trial runs its whole schedule.",
         "- Selection: per optimizer, the trial that reaches the strictest target on the "
-        "validation split soonest (training seconds), then the next target, then the best "
-        "final validation score.",
+        "validation split soonest (training seconds; across machines, in steps of the pace "
+        "reference on the same machine: see the note on machines), then the next target, "
+        "then the best final validation score.",
         f"- Final runs: each chosen configuration with seeds {', '.join(map(str, plan.seeds))}, "
         "the optimizers alternating seed by seed, on the full training set.",
         "- Time: `spdkfac train`'s training clock; evaluations and checkpoints are "
@@ -160,6 +164,13 @@ def _final_section(workload: Workload, records: Sequence[dict[str, Any]], out: P
             )
         decomposition += _where_time_goes(rows, workload, label or workload.name)
     lines += ["", *decomposition]
+    machines = sorted({machine_of(r) for r in finished})
+    if len(machines) > 1:
+        lines += [
+            "",
+            f"Caution: these final runs ran on {len(machines)} machines ({'; '.join(machines)}): "
+            "their seconds are not comparable across machines (see Every trial).",
+        ]
     if _plot(workload, records, targets, out / f"{workload.key}.png"):
         lines += ["", f"![{workload.final_metric} vs training wall time]({workload.key}.png)"]
     else:
@@ -245,29 +256,43 @@ def _trials(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
         f"Every run of the study ({len(records)} runs, {hours:.2f} h of machine time "
         "including start-up and evaluation), in the order it finished; none is left out.",
     ]
+    machines = list(dict.fromkeys(machine_of(r) for r in records))
+    letter = {machine: chr(ord("A") + i) for i, machine in enumerate(machines)}
+    lines += ["", "Machines (the CPU each run ran on):", ""]
+    lines += [f"- {letter[m]}: {m}" for m in machines]
     for workload in (*plan.workloads, *plan.retired):
         targets = tuning_targets(records, workload)
         retired = " (retired)" if workload in plan.retired else ""
         picks = {} if retired else select(records, workload)
         chosen = {id(r) for r in picks.values() if r is not None}
+        paces = reference_paces(records, workload)
+        reference = workload.pace_reference
         lines += [
             "",
             f"### {workload.title}{retired}",
             "",
             f"Tuning targets on {workload.tune_metric}: "
-            f"{', '.join(f'{t:.4g}' for t in targets) or 'none yet'}.",
+            f"{', '.join(f'{t:.4g}' for t in targets) or 'none yet'}. One {reference} step "
+            "(median of its tuning trials) took "
+            + (
+                "; ".join(f"{ms:.0f} ms on {letter[m]}" for m, ms in paces.items())
+                or "— (none yet)"
+            )
+            + f"; tuning trials are chosen on the times to the targets in {reference} steps.",
             "",
-            "| phase | optimizer | # | seed | hyperparameters | status | s to targets | "
-            "final score | train s | ms/step | chosen |",
-            "|---|---|---:|---:|---|---|---|---:|---:|---:|---|",
+            "| phase | optimizer | # | seed | hyperparameters | status | machine | s to targets "
+            f"| in {reference} steps | final score | train s | ms/step | chosen |",
+            "|---|---|---:|---:|---|---|---|---|---|---:|---:|---:|---|",
         ]
         for record in (r for r in records if r["workload"] == workload.key):
             tuning = record["phase"] == "tune"
             metric = workload.tune_metric if tuning else workload.final_metric
             aims = targets if tuning else final_targets(records, workload)
-            times = ", ".join(
-                _number(o.seconds) if o.reached else "never"
-                for o in (outcome(record, workload, metric, t) for t in aims)
+            reached = [outcome(record, workload, metric, t) for t in aims]
+            times = ", ".join(_number(o.seconds) if o.reached else "never" for o in reached)
+            units = ", ".join(
+                _number(reference_steps(o.seconds, record, paces), 0) if o.reached else "never"
+                for o in reached
             )
             summary = record.get("summary") or {"train_seconds": math.nan}
             value = final_value(record, metric)
@@ -279,7 +304,8 @@ def _trials(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
             )
             lines.append(
                 f"| {record['phase']} | {record['optimizer']} | {record['index']} | "
-                f"{record['seed']} | {hparams} | {record['status']} | {times or '—'} | "
+                f"{record['seed']} | {hparams} | {record['status']} | "
+                f"{letter[machine_of(record)]} | {times or '—'} | {units or '—'} | "
                 f"{'—' if value is None else f'{value:.4f}'} | "
                 f"{_number(float(summary.get('train_seconds', math.inf)))} | {_number(pace)} | "
                 f"{'yes' if id(record) in chosen else ''} |"

@@ -23,6 +23,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from spdkfac.calibrate import describe_device
 from study.protocol import Trial
 from study.store import TrialStore
 
@@ -179,6 +182,7 @@ def run_trial(
         "returncode": result.returncode,
         "process_seconds": round(result.seconds, 3),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": describe_device(torch.device("cpu")),
     }
     if summary is not None:
         record["summary"] = {k: summary[k] for k in SUMMARY_KEYS if k in summary}

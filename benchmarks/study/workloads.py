@@ -216,6 +216,26 @@ def _text(smoke: bool, data: str | None, soap: bool, revision: int = 2) -> Workl
     )
 
 
+NO_SOAP = "soap: left out, the heavyball package is not installed"
+#: Declared when the study's machine changed (see study.analysis.reference_paces).
+MACHINE_NOTE = (
+    "machines (declared 2026-12-01 during image revision 2's tuning, when the first run on "
+    "a new machine, kfac-04, had finished and sgd-05 was running): the study's machine "
+    "changed between two sessions; on the new one a step takes about half as long "
+    "(kfac-04: 418 ms per step, K-FAC trials before it 916-1103 ms). An optimizer's "
+    "tuning trials ran on both, so seconds would favour the trials that ran on the faster "
+    "one. From then on every run records its CPU, and tuning trials are chosen on their "
+    "times to the targets in steps of the workload's pace reference (SGD for images, AdamW "
+    "for text): the seconds divided by the median time per step of that optimizer's tuning "
+    "trials on the same machine. On one machine this orders trials exactly as seconds do, "
+    "and K-FAC's costlier steps count in full. Runs recorded before the change carry no "
+    "machine (machine A); the runs that finished on the new machine before runs recorded "
+    "it were given its description afterwards (their finishing times follow the change). "
+    "Final runs go in rounds (one seed of every optimizer), each round on one machine; the "
+    "report warns if a workload's final runs span machines"
+)
+
+
 def build_plan(
     *,
     smoke: bool = False,
@@ -236,7 +256,7 @@ def build_plan(
     # find_spec, not an import: importing heavyball takes seconds, and a broken install
     # shows as failed SOAP trials with their error in the report.
     soap = importlib.util.find_spec("heavyball") is not None
-    notes = () if soap else ("soap: left out, the heavyball package is not installed",)
+    notes = (MACHINE_NOTE,) + (() if soap else (NO_SOAP,))
     known = {"fashion-mnist": _fashion(smoke, fashion_data), "text": _text(smoke, text_data, soap)}
     unknown = sorted(set(workloads) - set(known))
     if unknown:

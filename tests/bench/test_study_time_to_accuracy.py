@@ -17,16 +17,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import study_time_to_accuracy  # noqa: E402
+from spdkfac.calibrate import describe_device  # noqa: E402
 from study.analysis import (  # noqa: E402
     final_rows,
     final_targets,
     outcome,
     ratio,
+    reference_paces,
+    reference_steps,
     select,
     tuning_targets,
 )
@@ -307,6 +311,32 @@ def test_selection_goes_to_the_fastest_to_the_strictest_target() -> None:
     assert chosen["sgd"] is slow_93 and chosen["adamw"] is best_92 and chosen["kfac"] is None
 
 
+def test_trials_on_different_machines_compare_in_steps_of_the_reference() -> None:
+    workload = build_plan().workload("fashion-mnist")
+    tune = {"phase": "tune", "metric": "val_accuracy", "steps": 1000}
+
+    def on(machine: str, record: dict[str, Any]) -> dict[str, Any]:
+        return {**record, "machine": machine}
+
+    # SGD steps take 1 s on the slow machine and 0.5 s on the fast one.
+    slow_sgd = on("slow", _record("sgd", [(600, 600.0, 0.921)], seconds=1000.0, **tune))
+    fast_sgd = on("fast", _record("sgd", [(800, 400.0, 0.921)], seconds=500.0, index=1, **tune))
+    # K-FAC: 900 slow-machine SGD steps against 300 s / 0.5 s = 600 on the fast machine,
+    # where its own steps cost more than SGD's (0.6 s): they count in full.
+    slow_kfac = on("slow", _record("kfac", [(600, 900.0, 0.921)], seconds=1500.0, **tune))
+    fast_kfac = on("fast", _record("kfac", [(500, 300.0, 0.921)], seconds=600.0, index=1, **tune))
+    records = [slow_sgd, fast_sgd, slow_kfac, fast_kfac]
+    assert reference_paces(records, workload) == {"slow": 1000.0, "fast": 500.0}
+    chosen = select(records, workload)
+    # By seconds the fast machine's SGD trial would win (400 s against 600 s).
+    assert chosen["sgd"] is slow_sgd and chosen["kfac"] is fast_kfac
+    # Records without a machine are one machine; one without a reference there is counted
+    # at the median reference pace.
+    unknown = _record("adamw", [(300, 150.0, 0.921)], **tune)
+    assert reference_steps(150.0, unknown, {"slow": 1000.0, "fast": 500.0}) == 200.0
+    assert reference_paces([{**slow_sgd, "machine": None}], workload) == {"not recorded": 1000.0}
+
+
 def test_the_text_target_comes_from_adamws_best_configuration() -> None:
     plan = build_plan()
     workload = plan.workload("text")
@@ -339,6 +369,15 @@ def test_the_report_puts_the_protocol_first_and_every_trial_in(tmp_path: Path) -
     assert len(trial_rows) == len(records) == len(launcher.calls)
     assert "| failed |" in report and "RuntimeError: boom" in report
     assert "| 92% (0.92) | kfac | 3/3 |" in report
+    # Every run says which CPU it ran on; the tuning times are also in reference steps.
+    machine = describe_device(torch.device("cpu"))
+    assert {r["machine"] for r in records} == {machine} and f"- A: {machine}" in lines
+    assert "| in sgd steps |" in report and "| in adamw steps |" in report
+    assert "Caution: these final runs ran on" not in report
+    records[-1]["machine"] = "another CPU"  # a final run of the text workload
+    report = write_report(plan, records, tmp_path, "study").read_text()
+    assert report.count("Caution: these final runs ran on 2 machines") == 1
+    assert "- B: another CPU" in report
     # Where K-FAC's time goes: the share of its steps' time above their median.
     assert "the time above the median (refresh steps) is 25% of its total." in report
     for workload in (IMAGES, TEXT):

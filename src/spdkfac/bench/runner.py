@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +22,7 @@ from spdkfac.bench.costs import (
 from spdkfac.bench.report import write_bench_outputs
 from spdkfac.bench.results import BenchResults, VariantResult
 from spdkfac.bench.variants import VARIANTS
+from spdkfac.calibrate import describe_device
 from spdkfac.comm import (
     BucketLaunches,
     Communicator,
@@ -260,16 +259,8 @@ def _describe(precond: KFACPreconditioner) -> str:
 
 
 def _machine(options: BenchOptions, comm: Communicator) -> dict[str, str]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": f"{cpu} ({os.cpu_count()} cores)",
+        "cpu": describe_device(torch.device("cpu")),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "ranks": f"{comm.world_size} (gloo)",

@@ -25,18 +25,27 @@ from spdkfac.costmodel import (
 __all__ = ["describe_device", "fit_errors", "format_report", "run_metadata"]
 
 
-def describe_device(device: torch.device) -> str:
-    """A CUDA device's name, else the CPU model from ``/proc/cpuinfo`` (or ``platform``)."""
+def describe_device(device: torch.device, *, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """A CUDA device's name, else the CPU's from ``/proc/cpuinfo`` with its family, model
+    and stepping (virtual machines often show one generic name for different CPUs) and the
+    logical CPUs (or ``platform``'s name)."""
     if device.type == "cuda":
         return str(torch.cuda.get_device_name(device))
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} logical CPUs)"
+        with open(cpuinfo, encoding="utf-8") as lines:
+            for line in lines:
+                key, _, value = line.partition(":")
+                if not key.strip():  # the first processor's block ends
+                    break
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    where = ", ".join(
+        f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields
+    )
+    return f"{name} ({where + '; ' if where else ''}{os.cpu_count()} logical CPUs)"
 
 
 def _backend(comm: Communicator) -> str:
