@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from kfac_reference import explicit_conv_patches, outer_mean, output_grad, with_one
 from spdkfac import KFACPreconditioner
+from spdkfac.layers.conv2d import Conv2dLayer
 
 CLASSES = 3
 # (kernel, stride, padding, dilation, bias, input height/width)
@@ -107,3 +108,28 @@ def test_grouped_conv_is_registered() -> None:
     model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(36, 2))
     precond = KFACPreconditioner(model)
     assert precond.layers == ["0", "2"]
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "dilation", "bias", "size"), GEOMETRIES)
+def test_conv2d_reduce_a_factor_is_the_mean_patches_second_moment(
+    kernel: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    bias: bool,
+    size: tuple[int, int],
+) -> None:
+    """K-FAC-reduce (Eschenhagen et al., NeurIPS 2023, Sec. 3): A from each example's mean
+    patch, here computed without building the patches, against explicit loops."""
+    torch.manual_seed(5)
+    conv = nn.Conv2d(
+        2, 3, kernel, stride=stride, padding=padding, dilation=dilation, bias=bias
+    ).double()
+    inputs = torch.randn(3, 2, *size, dtype=torch.float64)
+    layer = Conv2dLayer(weight_sharing="reduce")
+    a_factor, count = layer.a_factor(conv, inputs)
+    patches = explicit_conv_patches(inputs, kernel, stride, padding, dilation)
+    means = [torch.stack(per_example).mean(0) for per_example in patches]
+    a_ref = outer_mean([with_one(m) if bias else m for m in means])
+    assert count == 3
+    torch.testing.assert_close(a_factor, a_ref, rtol=1e-10, atol=1e-12)

@@ -28,6 +28,7 @@ __all__ = [
     "conv2d_g_factor",
     "conv2d_g_factor_reduce",
     "conv2d_geometry",
+    "conv2d_mean_patches",
     "conv2d_patches",
 ]
 
@@ -75,11 +76,35 @@ def conv2d_g_factor(grad_output: Tensor) -> Tensor:
     return covariance(rows, bias=False).mul_(float(batch) * float(rows.shape[0]))
 
 
+def conv2d_mean_patches(inputs: Tensor, geometry: Conv2dGeometry) -> Tensor:
+    """Each example's mean im2col patch, ``[B, C·kh·kw]`` (the mean over its rows of
+    :func:`conv2d_patches`), without building the patches.
+
+    Kernel tap (i, j) of every output position reads the zero-padded input on one strided
+    grid, so its mean is that grid's sum: summed over the columns of each of the kw grids,
+    then over the rows of each of the kh (a pass over the input per kernel column instead
+    of the B·S·C·kh·kw patch matrix).
+    """
+    geometry.check_input(inputs)
+    (pad_h, pad_w), (stride_h, stride_w) = geometry.padding, geometry.stride
+    (dil_h, dil_w), (kernel_h, kernel_w) = geometry.dilation, geometry.kernel_size
+    out_h, out_w = geometry.output_size
+    padded = F.pad(inputs, (pad_w, pad_w, pad_h, pad_h))
+    span_h, span_w = (out_h - 1) * stride_h + 1, (out_w - 1) * stride_w + 1
+    columns = torch.stack(
+        [padded[..., j * dil_w : j * dil_w + span_w : stride_w].sum(-1) for j in range(kernel_w)],
+        dim=-1,
+    )  # [B, C, H + 2·pad_h, kw]
+    sums = torch.stack(
+        [columns[:, :, i * dil_h : i * dil_h + span_h : stride_h].sum(2) for i in range(kernel_h)],
+        dim=2,
+    )  # [B, C, kh, kw]: unfold's column order
+    return sums.reshape(inputs.shape[0], -1).div_(float(out_h * out_w))
+
+
 def conv2d_a_factor_reduce(inputs: Tensor, geometry: Conv2dGeometry) -> Tensor:
     """K-FAC-reduce A: the second moment of each example's mean patch (p̄ = [p, 1])."""
-    patches = conv2d_patches(inputs, geometry)
-    means = patches.view(inputs.shape[0], -1, patches.shape[1]).mean(dim=1)
-    return covariance(means, bias=geometry.bias)
+    return covariance(conv2d_mean_patches(inputs, geometry), bias=geometry.bias)
 
 
 def conv2d_g_factor_reduce(grad_output: Tensor) -> Tensor:
