@@ -59,9 +59,12 @@ _KFAC_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+_FACTOR_OPTIONS = ("examples", "compute_dtype", "method")  # as factor_<name>
+
+
 def parse_kfac(text: str) -> tuple[str, dict[str, Any]]:
-    """``LABEL=key:value,...`` (``KFACPreconditioner`` keywords; ``factor_examples`` sets
-    ``factor_options``) as (label, keyword arguments)."""
+    """``LABEL=key:value,...`` (``KFACPreconditioner`` keywords, and ``factor_<name>`` for
+    the ``FactorOptions`` of ``_FACTOR_OPTIONS``) as (label, keyword arguments)."""
     label, _, pairs = text.partition("=")
     kwargs: dict[str, Any] = {}
     for pair in filter(None, pairs.split(",")):
@@ -70,15 +73,17 @@ def parse_kfac(text: str) -> tuple[str, dict[str, Any]]:
             kwargs[key.strip()] = json.loads(value)  # numbers
         except ValueError:
             kwargs[key.strip()] = value
-    if "factor_examples" in kwargs:
-        kwargs["factor_options"] = FactorOptions(examples=kwargs.pop("factor_examples"))
+    options = {k: kwargs.pop("factor_" + k) for k in _FACTOR_OPTIONS if "factor_" + k in kwargs}
+    if "compute_dtype" in options:
+        options["compute_dtype"] = getattr(torch, options["compute_dtype"])
+    if options:
+        kwargs["factor_options"] = FactorOptions(**options)
     if not label or not kwargs:
         raise argparse.ArgumentTypeError(f"--kfac needs LABEL=key:value,..., got {text!r}")
     return label, kwargs
 
 
-def _uniform(kwargs: dict[str, Any]) -> bool:
-    """Whether every step of the variant is alike (it refreshes everything every step)."""
+def _uniform(kwargs: dict[str, Any]) -> bool:  # every step alike (refreshes every step)
     return all(kwargs.get(k, 1) == 1 for k in ("factor_update_steps", "inv_update_steps"))
 
 
