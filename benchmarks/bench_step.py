@@ -13,10 +13,9 @@ Sections (any combination):
 * ``--inversion``: inverting every factor one call each against batched by size, and
   against another checkout's ``damped_inverse`` (``--baseline-linalg``).
 * ``--finite``: ``is_finite`` of every factor, and another checkout's (same option).
-* ``--profile N``: where N steps of K-FAC 1/1 (or the first ``--kfac``) spend their time
-  (the profiler's spans).
-* ``--kfac LABEL=key:value,...`` (repeatable): K-FAC variants to compare and profile instead
-  of 1/1 and 10/100, e.g. ``--kfac 'fe32=factor_update_steps:5,factor_examples:32'``.
+* ``--profile N``: where N steps of K-FAC 1/1 (or the first ``--kfac``) spend their time.
+* ``--kfac LABEL=key:value,...`` (repeatable): K-FAC variants instead of 1/1 and 10/100,
+  e.g. ``--kfac 'fe32=factor_update_steps:5,factor_examples:32'``.
 
 Sections other than ``--inversion`` also run against older checkouts (``PYTHONPATH``).
 
