@@ -20,7 +20,6 @@ Sections (any combination):
 Sections other than ``--inversion`` also run against older checkouts (``PYTHONPATH``).
 
     python benchmarks/bench_step.py --threads 1 --steps 100 --uniform-steps 40
-    python benchmarks/bench_step.py --model wrn16-4 --exchange
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ from spdkfac.layers import FactorOptions, lookup
 from spdkfac.linalg import damped_inverse, is_finite, pack_triu, unpack_triu
 from spdkfac.models import build_model
 
-#: K-FAC variants of the step comparison and the profile unless ``--kfac`` names others:
-#: label -> ``KFACPreconditioner`` keyword arguments.
+#: Label -> ``KFACPreconditioner`` keyword arguments, unless ``--kfac`` names others.
 _KFAC_VARIANTS: dict[str, dict[str, Any]] = {
     "K-FAC 1/1": {"factor_update_steps": 1, "inv_update_steps": 1},
     "K-FAC 10/100": {"factor_update_steps": 10, "inv_update_steps": 100},
