@@ -76,30 +76,40 @@ def conv2d_g_factor(grad_output: Tensor) -> Tensor:
     return covariance(rows, bias=False).mul_(float(batch) * float(rows.shape[0]))
 
 
+def _taps(
+    size: int, out: int, kernel: int, stride: int, padding: int, dilation: int, like: Tensor
+) -> Tensor:
+    """``[kernel, size]``: entry (i, h) is 1 when kernel tap i reads input row (column) h at
+    some output position (reads of the zero padding have no entry)."""
+    taps = like.new_zeros(kernel, size)
+    for tap in range(kernel):
+        read = torch.arange(out, device=like.device) * stride + tap * dilation - padding
+        taps[tap, read[(read >= 0) & (read < size)]] = 1.0
+    return taps
+
+
 def conv2d_mean_patches(inputs: Tensor, geometry: Conv2dGeometry) -> Tensor:
     """Each example's mean im2col patch, ``[B, C·kh·kw]`` (the mean over its rows of
     :func:`conv2d_patches`), without building the patches.
 
-    Kernel tap (i, j) of every output position reads the zero-padded input on one strided
-    grid, so its mean is that grid's sum: summed over the columns of each of the kw grids,
-    then over the rows of each of the kh (a pass over the input per kernel column instead
-    of the B·S·C·kh·kw patch matrix).
+    Tap (i, j) of the kernel reads, over all output positions, input rows ``R_i`` and
+    columns ``C_j``, so its sum is ``R_i x C_jᵀ`` per example and channel: two thin
+    products of the input with 0/1 tap matrices (one pass over the input, no padding
+    copy, instead of the ``B·S × C·kh·kw`` patch matrix).
     """
     geometry.check_input(inputs)
-    (pad_h, pad_w), (stride_h, stride_w) = geometry.padding, geometry.stride
-    (dil_h, dil_w), (kernel_h, kernel_w) = geometry.dilation, geometry.kernel_size
-    out_h, out_w = geometry.output_size
-    padded = F.pad(inputs, (pad_w, pad_w, pad_h, pad_h))
-    span_h, span_w = (out_h - 1) * stride_h + 1, (out_w - 1) * stride_w + 1
-    columns = torch.stack(
-        [padded[..., j * dil_w : j * dil_w + span_w : stride_w].sum(-1) for j in range(kernel_w)],
-        dim=-1,
-    )  # [B, C, H + 2·pad_h, kw]
-    sums = torch.stack(
-        [columns[:, :, i * dil_h : i * dil_h + span_h : stride_h].sum(2) for i in range(kernel_h)],
-        dim=2,
-    )  # [B, C, kh, kw]: unfold's column order
-    return sums.reshape(inputs.shape[0], -1).div_(float(out_h * out_w))
+    batch, channels, height, width = inputs.shape
+    (out_h, out_w), (kernel_h, kernel_w) = geometry.output_size, geometry.kernel_size
+    rows = _taps(height, out_h, kernel_h, geometry.stride[0], geometry.padding[0],
+                 geometry.dilation[0], inputs)  # fmt: skip
+    columns = _taps(width, out_w, kernel_w, geometry.stride[1], geometry.padding[1],
+                    geometry.dilation[1], inputs)  # fmt: skip
+    by_column = inputs.reshape(-1, width) @ columns.t()  # [B·C·H, kw]
+    by_row = by_column.view(batch * channels, height, kernel_w).transpose(0, 1)
+    sums = rows @ by_row.reshape(height, -1)  # [kh, B·C·kw]
+    sums = sums.view(kernel_h, batch * channels, kernel_w).transpose(0, 1)
+    # [B·C, kh, kw] is unfold's column order within each example.
+    return sums.reshape(batch, -1).div_(float(out_h * out_w))
 
 
 def conv2d_a_factor_reduce(inputs: Tensor, geometry: Conv2dGeometry) -> Tensor:
