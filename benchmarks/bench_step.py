@@ -13,15 +13,13 @@ Sections (any combination):
 * ``--inversion``: inverting every factor one call each against batched by size, and
   against another checkout's ``damped_inverse`` (``--baseline-linalg``).
 * ``--finite``: ``is_finite`` of every factor, and another checkout's (same option).
-* ``--profile N``: where N steps of K-FAC 1/1 (or the first ``--kfac``) spend their time
-  (the profiler's spans).
-* ``--kfac LABEL=key:value,...`` (repeatable): K-FAC variants to compare and profile instead
-  of 1/1 and 10/100, e.g. ``--kfac 'fe32=factor_update_steps:5,factor_examples:32'``.
+* ``--profile N``: where N steps of K-FAC 1/1 (or the first ``--kfac``) spend their time.
+* ``--kfac LABEL=key:value,...`` (repeatable): K-FAC variants instead of 1/1 and 10/100,
+  e.g. ``--kfac 'fe32=factor_update_steps:5,factor_examples:32'``.
 
 Sections other than ``--inversion`` also run against older checkouts (``PYTHONPATH``).
 
     python benchmarks/bench_step.py --threads 1 --steps 100 --uniform-steps 40
-    python benchmarks/bench_step.py --model wrn16-4 --exchange
 """
 
 from __future__ import annotations
@@ -51,17 +49,19 @@ from spdkfac.layers import FactorOptions, lookup
 from spdkfac.linalg import damped_inverse, is_finite, pack_triu, unpack_triu
 from spdkfac.models import build_model
 
-#: K-FAC variants of the step comparison and the profile unless ``--kfac`` names others:
-#: label -> ``KFACPreconditioner`` keyword arguments.
+#: Label -> ``KFACPreconditioner`` keyword arguments, unless ``--kfac`` names others.
 _KFAC_VARIANTS: dict[str, dict[str, Any]] = {
     "K-FAC 1/1": {"factor_update_steps": 1, "inv_update_steps": 1},
     "K-FAC 10/100": {"factor_update_steps": 10, "inv_update_steps": 100},
 }
 
 
+_FACTOR_OPTIONS = ("examples", "compute_dtype", "method")  # as factor_<name>
+
+
 def parse_kfac(text: str) -> tuple[str, dict[str, Any]]:
-    """``LABEL=key:value,...`` (``KFACPreconditioner`` keywords; ``factor_examples`` sets
-    ``factor_options``) as (label, keyword arguments)."""
+    """``LABEL=key:value,...`` (``KFACPreconditioner`` keywords, and ``factor_<name>`` for
+    the ``FactorOptions`` of ``_FACTOR_OPTIONS``) as (label, keyword arguments)."""
     label, _, pairs = text.partition("=")
     kwargs: dict[str, Any] = {}
     for pair in filter(None, pairs.split(",")):
@@ -70,15 +70,17 @@ def parse_kfac(text: str) -> tuple[str, dict[str, Any]]:
             kwargs[key.strip()] = json.loads(value)  # numbers
         except ValueError:
             kwargs[key.strip()] = value
-    if "factor_examples" in kwargs:
-        kwargs["factor_options"] = FactorOptions(examples=kwargs.pop("factor_examples"))
+    options = {k: kwargs.pop("factor_" + k) for k in _FACTOR_OPTIONS if "factor_" + k in kwargs}
+    if "compute_dtype" in options:
+        options["compute_dtype"] = getattr(torch, options["compute_dtype"])
+    if options:
+        kwargs["factor_options"] = FactorOptions(**options)
     if not label or not kwargs:
         raise argparse.ArgumentTypeError(f"--kfac needs LABEL=key:value,..., got {text!r}")
     return label, kwargs
 
 
-def _uniform(kwargs: dict[str, Any]) -> bool:
-    """Whether every step of the variant is alike (it refreshes everything every step)."""
+def _uniform(kwargs: dict[str, Any]) -> bool:  # every step alike (refreshes every step)
     return all(kwargs.get(k, 1) == 1 for k in ("factor_update_steps", "inv_update_steps"))
 
 

@@ -46,24 +46,27 @@ def _range(values: Sequence[float], digits: int = 1) -> str:
 
 def ratio_lines(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
     """``ratio <workload> <label>: X`` for every target of every workload."""
+    return [line for workload in plan.workloads for line in _ratios(workload, records)]
+
+
+def _ratios(workload: Workload, records: Sequence[dict[str, Any]], lead: str = "") -> list[str]:
     lines = []
-    for workload in plan.workloads:
-        targets = final_targets(records, workload)
-        for index, label in enumerate(workload.labels):
-            prefix = f"ratio {' '.join(filter(None, (workload.name, label)))}:"
-            if index >= len(targets):
-                lines.append(
-                    f"{prefix} n/a (the {workload.reference} final runs set this "
-                    "target; none has finished)"
-                )
-                continue
-            found = ratio(final_rows(records, workload, targets[index]), workload.kfac)
-            if found is None:
-                lines.append(
-                    f"{prefix} n/a (needs final runs of {workload.kfac} and of another optimizer)"
-                )
-            else:
-                lines.append(f"{prefix} {found[0]:.2f}")
+    targets = final_targets(records, workload)
+    for index, label in enumerate(workload.labels):
+        prefix = f"{lead}ratio {' '.join(filter(None, (workload.name, label)))}:"
+        if index >= len(targets):
+            lines.append(
+                f"{prefix} n/a (the {workload.reference} final runs set this "
+                "target; none has finished)"
+            )
+            continue
+        found = ratio(final_rows(records, workload, targets[index]), workload.kfac)
+        if found is None:
+            lines.append(
+                f"{prefix} n/a (needs final runs of {workload.kfac} and of another optimizer)"
+            )
+        else:
+            lines.append(f"{prefix} {found[0]:.2f}")
     return lines
 
 
@@ -137,8 +140,10 @@ def _workload_protocol(workload: Workload) -> list[str]:
     return lines
 
 
-def _final_section(workload: Workload, records: Sequence[dict[str, Any]], out: Path) -> list[str]:
-    lines = ["", f"### {workload.title}: final runs", ""]
+def _final_section(
+    workload: Workload, records: Sequence[dict[str, Any]], out: Path, *, heading: bool = True
+) -> list[str]:
+    lines = ["", f"### {workload.title}: final runs", ""] if heading else [""]
     targets = final_targets(records, workload)
     finished = [r for r in records if r["workload"] == workload.key and r["phase"] == "final"]
     if not targets or not finished:
@@ -339,6 +344,17 @@ def write_report(
         lines += ["", line]
     for workload in plan.workloads:
         lines += _final_section(workload, records, out)
+    finished = {r["workload"] for r in records if r["phase"] == "final"}
+    for workload in (w for w in plan.retired if w.key in finished):
+        lines += [
+            "",
+            f"### Retired: {workload.title}, revision {workload.revision}",
+            "",
+            "Replaced by the revision above, so not the study's answer; kept as measured:",
+            "",
+            *(f"- {line}" for line in _ratios(workload, records, lead="retired: ")),
+            *_final_section(workload, records, out, heading=False),
+        ]
     lines += [
         "",
         "## Chosen configurations",

@@ -60,7 +60,7 @@ Launcher = Callable[[list[str], Path, float], LaunchResult]
 
 def train_command(flags: list[str], out_dir: Path, workers: int) -> list[str]:
     """``torchrun --standalone --nproc-per-node W -m spdkfac train ...`` (plain python for
-    one worker), as ``benchmarks/bench_time_to_accuracy.py`` launches its runs."""
+    one worker)."""
     train = ["-m", "spdkfac", "train", *flags, "--out-dir", str(out_dir)]
     if workers == 1:
         return [sys.executable, *train]

@@ -21,7 +21,7 @@ def test_two_ranks_end_to_end(
         "--variants", "sgd,d-kfac,spd-kfac", "--nproc", "2", "--out-dir", str(out),
         "--timeout", "120",  # the launcher kills every rank after that
         # An 8x8 input keeps the MLP's first factor at 193 (3073 at 32x32 costs ~10 s here).
-        "--input-size", "8",
+        "--input-size", "8", "--factor-examples", "16",
     ]  # fmt: skip
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
@@ -38,6 +38,7 @@ def test_two_ranks_end_to_end(
         assert ranks == {0, 1}
     results = json.loads((out / "results.json").read_text())
     assert [v["name"] for v in results["variants"]] == ["sgd", "d-kfac", "spd-kfac"]
+    assert results["settings"]["SGD"].endswith("statistics from 16 examples per rank")
     for variant in results["variants"]:
         assert len(variant["times"]) == 2 and all(len(t) == 4 for t in variant["times"])
         assert variant["breakdown"]["FF&BP"] > 0

@@ -378,6 +378,16 @@ def test_the_report_puts_the_protocol_first_and_every_trial_in(tmp_path: Path) -
     report = write_report(plan, records, tmp_path, "study").read_text()
     assert report.count("Caution: these final runs ran on 2 machines") == 1
     assert "- B: another CPU" in report
+    # A retired revision's final runs keep their ratio and table, apart from the answer.
+    retired = plan.retired[-1]
+    assert retired.name == "text" and retired.key != TEXT
+    old = [{**r, "workload": retired.key} for r in records if r["workload"] == TEXT]
+    report = write_report(plan, [*records, *old], tmp_path, "study").read_text()
+    lines = report.splitlines()
+    (line,) = [x for x in lines if x.startswith("- retired: ratio text: ")]
+    assert line == "- retired: " + ratio_lines(plan, records)[-1]
+    assert report.index("## Results") < report.index("### Retired: text, revision 1")
+    assert sum(bool(re.fullmatch(r"ratio text: \d+\.\d\d", x)) for x in lines) == 1
     # Where K-FAC's time goes: the share of its steps' time above their median.
     assert "the time above the median (refresh steps) is 25% of its total." in report
     for workload in (IMAGES, TEXT):

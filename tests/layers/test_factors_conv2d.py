@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from kfac_reference import explicit_conv_patches, outer_mean, output_grad, with_one
 from spdkfac import KFACPreconditioner
+from spdkfac.layers.conv2d import Conv2dLayer
 
 CLASSES = 3
 # (kernel, stride, padding, dilation, bias, input height/width)
@@ -67,21 +68,22 @@ def _run(
     return a_factor, g_factor, inputs, targets, head
 
 
-@pytest.mark.parametrize(("kernel", "stride", "padding", "dilation", "bias", "size"), GEOMETRIES)
-def test_conv2d_factors_match_reference(
-    kernel: tuple[int, int],
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    dilation: tuple[int, int],
-    bias: bool,
-    size: tuple[int, int],
-) -> None:
+Geometry = tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int], bool,
+                 tuple[int, int]]  # fmt: skip
+
+
+def _conv_of(geometry: Geometry) -> nn.Conv2d:
+    kernel, stride, padding, dilation, bias, _ = geometry
+    conv = nn.Conv2d(2, 3, kernel, stride=stride, padding=padding, dilation=dilation, bias=bias)
+    return conv.double()
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_conv2d_factors_match_reference(geometry: Geometry) -> None:
     torch.manual_seed(3)
-    conv = nn.Conv2d(
-        2, 3, kernel, stride=stride, padding=padding, dilation=dilation, bias=bias
-    ).double()
-    a_factor, g_factor, inputs, targets, head = _run(conv, size)
-    a_ref, g_ref = _conv_reference(conv, head, inputs, targets, inputs, padding)
+    conv = _conv_of(geometry)
+    a_factor, g_factor, inputs, targets, head = _run(conv, geometry[-1])
+    a_ref, g_ref = _conv_reference(conv, head, inputs, targets, inputs, geometry[2])
     torch.testing.assert_close(a_factor, a_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g_factor, g_ref, rtol=1e-10, atol=1e-12)
 
@@ -107,3 +109,18 @@ def test_grouped_conv_is_registered() -> None:
     model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(36, 2))
     precond = KFACPreconditioner(model)
     assert precond.layers == ["0", "2"]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_conv2d_reduce_a_factor_is_the_mean_patches_second_moment(geometry: Geometry) -> None:
+    """K-FAC-reduce (Eschenhagen et al., NeurIPS 2023, Sec. 3): A from each example's mean
+    patch, here computed without building the patches, against explicit loops."""
+    torch.manual_seed(5)
+    kernel, stride, padding, dilation, bias, size = geometry
+    inputs = torch.randn(3, 2, *size, dtype=torch.float64)
+    a_factor, count = Conv2dLayer(weight_sharing="reduce").a_factor(_conv_of(geometry), inputs)
+    patches = explicit_conv_patches(inputs, kernel, stride, padding, dilation)
+    means = [torch.stack(per_example).mean(0) for per_example in patches]
+    a_ref = outer_mean([with_one(m) if bias else m for m in means])
+    assert count == 3
+    torch.testing.assert_close(a_factor, a_ref, rtol=1e-10, atol=1e-12)

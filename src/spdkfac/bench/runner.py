@@ -35,6 +35,7 @@ from spdkfac.comm import (
 from spdkfac.config import resolve_config
 from spdkfac.costmodel import CostModel, resolve_cost_model
 from spdkfac.data.text import VOCAB_SIZE
+from spdkfac.layers import FactorOptions
 from spdkfac.models import ModelKind, build_model, model_kind
 from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.profiling import Event, Phase, Profiler, breakdown, span_name
@@ -67,6 +68,7 @@ class BenchOptions:
     fusion_warmup_steps: int | None = None
     lr: float = 0.01
     damping: float = 0.003
+    factor_examples: int | None = None
     input_size: int = 32
     in_channels: int = 3
     num_classes: int = 10
@@ -163,6 +165,7 @@ class _VariantRun:
                 fusion_warmup_steps=options.planning_steps,
                 optimizer=self.optimizer,  # the KL clip reads its (constant) lr
                 damping=options.damping,
+                factor_options=FactorOptions(examples=options.factor_examples),
                 cost_model=costs,
                 profile=True,
             )
@@ -277,7 +280,12 @@ def _settings(options: BenchOptions) -> dict[str, str]:
         ),
         "fusion planned after": f"{options.planning_steps} factor steps",
         "input": _workload(options).describe(options),
-        "SGD": f"lr {options.lr}, momentum 0.9; K-FAC damping {options.damping}",
+        "SGD": f"lr {options.lr}, momentum 0.9; K-FAC damping {options.damping}"
+        + (
+            ""
+            if options.factor_examples is None
+            else f", statistics from {options.factor_examples} examples per rank"
+        ),
     }
 
 

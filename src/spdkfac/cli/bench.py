@@ -28,7 +28,7 @@ __all__ = ["add_parser", "run"]
 _FORWARDED = (
     "model", "iters", "warmup", "chunk", "batch_size", "threads", "factor_update_steps",
     "inv_update_steps", "fusion_warmup_steps", "lr", "damping", "input_size", "in_channels",
-    "seed", "cost_model", "trace_iters", "out_dir", "timeout",
+    "seed", "cost_model", "trace_iters", "out_dir", "timeout", "factor_examples",
 )  # fmt: skip
 _PROBE_TIMEOUT = 120.0  # one measurement of the emulated link takes ~10 s on 2 ranks here
 
@@ -91,6 +91,12 @@ def add_parser(verbs: Any) -> None:
     )
     add("--lr", type=positive_float, default=0.01, help="SGD learning rate")
     add("--damping", type=positive_float, default=0.003, help="K-FAC damping")
+    add(
+        "--factor-examples",
+        type=positive_int,
+        default=None,
+        help="K-FAC statistics from the first N examples of each rank's batch (default all)",
+    )
     add(
         "--input-size",
         type=positive_int,

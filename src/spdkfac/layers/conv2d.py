@@ -28,6 +28,7 @@ __all__ = [
     "conv2d_g_factor",
     "conv2d_g_factor_reduce",
     "conv2d_geometry",
+    "conv2d_mean_patches",
     "conv2d_patches",
 ]
 
@@ -75,11 +76,45 @@ def conv2d_g_factor(grad_output: Tensor) -> Tensor:
     return covariance(rows, bias=False).mul_(float(batch) * float(rows.shape[0]))
 
 
+def _taps(
+    size: int, out: int, kernel: int, stride: int, padding: int, dilation: int, like: Tensor
+) -> Tensor:
+    """``[kernel, size]``: entry (i, h) is 1 when kernel tap i reads input row (column) h at
+    some output position (reads of the zero padding have no entry)."""
+    taps = like.new_zeros(kernel, size)
+    for tap in range(kernel):
+        read = torch.arange(out, device=like.device) * stride + tap * dilation - padding
+        taps[tap, read[(read >= 0) & (read < size)]] = 1.0
+    return taps
+
+
+def conv2d_mean_patches(inputs: Tensor, geometry: Conv2dGeometry) -> Tensor:
+    """Each example's mean im2col patch, ``[B, C·kh·kw]`` (the mean over its rows of
+    :func:`conv2d_patches`), without building the patches.
+
+    Tap (i, j) of the kernel reads, over all output positions, input rows ``R_i`` and
+    columns ``C_j``, so its sum is ``R_i x C_jᵀ`` per example and channel: two thin
+    products of the input with 0/1 tap matrices (one pass over the input, no padding
+    copy, instead of the ``B·S × C·kh·kw`` patch matrix).
+    """
+    geometry.check_input(inputs)
+    batch, channels, height, width = inputs.shape
+    (out_h, out_w), (kernel_h, kernel_w) = geometry.output_size, geometry.kernel_size
+    rows = _taps(height, out_h, kernel_h, geometry.stride[0], geometry.padding[0],
+                 geometry.dilation[0], inputs)  # fmt: skip
+    columns = _taps(width, out_w, kernel_w, geometry.stride[1], geometry.padding[1],
+                    geometry.dilation[1], inputs)  # fmt: skip
+    by_column = inputs.reshape(-1, width) @ columns.t()  # [B·C·H, kw]
+    by_row = by_column.view(batch * channels, height, kernel_w).transpose(0, 1)
+    sums = rows @ by_row.reshape(height, -1)  # [kh, B·C·kw]
+    sums = sums.view(kernel_h, batch * channels, kernel_w).transpose(0, 1)
+    # [B·C, kh, kw] is unfold's column order within each example.
+    return sums.reshape(batch, -1).div_(float(out_h * out_w))
+
+
 def conv2d_a_factor_reduce(inputs: Tensor, geometry: Conv2dGeometry) -> Tensor:
     """K-FAC-reduce A: the second moment of each example's mean patch (p̄ = [p, 1])."""
-    patches = conv2d_patches(inputs, geometry)
-    means = patches.view(inputs.shape[0], -1, patches.shape[1]).mean(dim=1)
-    return covariance(means, bias=geometry.bias)
+    return covariance(conv2d_mean_patches(inputs, geometry), bias=geometry.bias)
 
 
 def conv2d_g_factor_reduce(grad_output: Tensor) -> Tensor:
