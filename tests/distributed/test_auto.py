@@ -107,6 +107,9 @@ def _worker(rank: int, world_size: int, saved: dict | None) -> dict[str, object]
     same.load_state_dict(out["state"])  # type: ignore[arg-type]
     assert same.strategy_choice is not None
     out["same_world"] = (same.composition, same.strategy_choice.chosen)
+    # The constructor's last collective creates a group; a rank that returned at once could
+    # close its end while another still connects to it (gloo "connection closed by peer").
+    dist.barrier()
     return out
 
 
