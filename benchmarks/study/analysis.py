@@ -102,10 +102,12 @@ def _ok(records: Sequence[dict[str, Any]], **fields: Any) -> list[dict[str, Any]
 
 
 def tuning_targets(records: Sequence[dict[str, Any]], workload: Workload) -> tuple[float, ...]:
-    """The targets tuning trials are timed to: the workload's own, or the best final
-    validation score among the reference optimizer's trials (none before one finished)."""
+    """The targets tuning trials are timed to: the workload's own moved by its
+    ``tune_margin`` towards better scores, or the best final validation score among the
+    reference optimizer's trials (none before one finished)."""
     if workload.targets:
-        return workload.targets
+        margin = workload.tune_margin if workload.higher_is_better else -workload.tune_margin
+        return tuple(round(target + margin, 6) for target in workload.targets)
     values = [
         v
         for r in _ok(records, workload=workload.key, phase="tune", optimizer=workload.reference)

@@ -94,6 +94,9 @@ class Workload:
         revision: The protocol's revision; a revised protocol is a workload of its own
             (its trials are told apart by :attr:`key`) and the earlier one is retired.
         changes: For a revision after the first: what changed and why (for the report).
+        tune_margin: How much stricter than ``targets`` tuning trials' targets are on the
+            validation split (towards better scores), so that the configuration chosen
+            there reaches the target on the test set too.
     """
 
     name: str
@@ -113,6 +116,7 @@ class Workload:
     spaces: dict[str, SearchSpace]
     revision: int = 1
     changes: str = ""
+    tune_margin: float = 0.0
 
     @property
     def key(self) -> str:
@@ -155,7 +159,9 @@ class Workload:
         return flags
 
     def protocol(self) -> dict[str, Any]:
-        revision = {} if self.revision == 1 else {"revision": self.revision}
+        revision: dict[str, Any] = {} if self.revision == 1 else {"revision": self.revision}
+        if self.tune_margin:
+            revision["tune_margin"] = self.tune_margin
         return {
             "name": self.name,
             **revision,

@@ -105,7 +105,7 @@ def _protocol(plan: StudyPlan) -> list[str]:
     for workload in plan.retired:
         lines += [
             "",
-            f"### Retired: workload {workload.title}, revision {workload.revision}",
+            f"### Retired: workload {workload.name}, revision {workload.revision}",
             "",
             "Replaced by the next revision above; its trials are listed under Every trial, "
             "and none runs again.",
@@ -124,6 +124,9 @@ def _workload_protocol(workload: Workload) -> list[str]:
         f"are timed to the best final {workload.tune_metric} of the {workload.reference} "
         "tuning trials"
     )
+    if workload.targets and workload.tune_margin:
+        tuned = ", ".join(f"{t:g}" for t in tuning_targets((), workload))
+        target += f"; tuning trials are timed to {tuned} {workload.tune_metric}"
     lines = [
         f"{workload.description}. Budget: {workload.budget} {workload.unit}. Targets: {target}.  ",
         f"Flags of every run: `{' '.join(workload.flags)}`  ",
@@ -348,7 +351,7 @@ def write_report(
     for workload in (w for w in plan.retired if w.key in finished):
         lines += [
             "",
-            f"### Retired: {workload.title}, revision {workload.revision}",
+            f"### Retired: {workload.name}, revision {workload.revision}",
             "",
             "Replaced by the revision above, so not the study's answer; kept as measured:",
             "",

@@ -31,6 +31,32 @@ IMAGE_CHANGES = (
     "Revision 1 was retired after 5 of its 18 tuning trials; its sixth (kfac-01, factors "
     "every step) was stopped at step 106 of 2110 and is not recorded."
 )
+#: Images, revision 2's chosen configurations (its report): revision 3 tunes around them.
+IMAGE_SECOND_STAGE = {
+    "sgd": {"lr": 0.322, "weight_decay": 0.000531, "schedule": 0.8},
+    "adamw": {"lr": 0.003, "weight_decay": 0.02, "schedule": 0.6},
+    "kfac": {"lr": 0.0284, "weight_decay": 0.000138, "schedule": 0.5, "damping": 0.0613},
+}
+#: Revision 3's tuning targets lie this far above the test targets (the median gap below).
+IMAGE_TUNE_MARGIN = 0.005
+IMAGE_CHANGES_R3 = (
+    "a second tuning stage for every optimizer, 6 new trials each (the rule text revision "
+    "2 used): learning rate, weight decay and K-FAC's damping log-uniform within a factor "
+    "of 3 of the optimizer's revision-2 choice; the schedule's length the revision-2 "
+    "choice or up to two lengths either side of it among 3, 4, 5, 6, 8 and 10 epochs; "
+    "warm-up as before; K-FAC's factors every 5 or 10 steps and inverses every 25, 50 or "
+    "100 (its choice: 5 and 50); the configuration is chosen among the 6 new trials. And "
+    "tuning targets 0.5 point above the test targets (92.5 % and 93.5 % validation "
+    "accuracy): the trials revision 2 chose ended 0.65 (SGD), 0.50 (K-FAC) and -0.05 "
+    "(AdamW) points higher on the validation split than the median of their final runs "
+    "on the test set (0.5: the median of those gaps), and the configurations its 93 % "
+    "validation target chose for SGD and K-FAC ended below 93 % test in 5 of their 6 "
+    "final runs. Why: revision 2's choices were each the best of 6 draws from wide "
+    "ranges (K-FAC's the last of its six), and its 93 % result measured the gap between "
+    "validation and test more than the optimizers. Every run also flushes subnormal "
+    "floats to zero (`spdkfac train`'s default since this revision; speed only, the same "
+    "for every optimizer). Revision 2's runs stay in the report."
+)
 #: Text, revision 1's chosen configurations (its report): revision 2 tunes around them.
 TEXT_FIRST_STAGE = {
     "adamw": {"lr": 0.00266, "weight_decay": 0.00409},
@@ -58,6 +84,22 @@ COMMON = ("--no-tensorboard", "--threads", "1", "--lr-schedule", "cosine")
 
 
 def _spaces_images(revision: int) -> dict[str, SearchSpace]:
+    momentum = ("--momentum", "0.9", "--nesterov")
+    examples = () if revision == 1 else ("--factor-examples", str(IMAGE_FACTOR_EXAMPLES))
+    fixed = {
+        "sgd": ("--optimizer", "sgd", *momentum),
+        "adamw": ("--optimizer", "adamw"),
+        "kfac": ("--optimizer", "kfac", "--strategy", "spd-kfac", *momentum, *examples),
+    }
+    if revision >= 3:
+        dimensions = {name: _image_second_stage(name) for name in fixed}
+    else:
+        dimensions = _image_first_stage(revision)
+    return {name: SearchSpace(flags, dimensions[name]) for name, flags in fixed.items()}
+
+
+def _image_first_stage(revision: int) -> dict[str, dict[str, Dimension]]:
+    """Revisions 1 and 2: wide ranges (revision 2: shorter schedules allowed)."""
     schedule = SCHEDULE if revision == 1 else SCHEDULE_R2
     shape: dict[str, Dimension] = {"schedule": schedule, "warmup": WARMUP}
     sgd: dict[str, Dimension] = {"lr": SGD_LR, "weight_decay": IMAGE_DECAY, **shape}
@@ -68,14 +110,31 @@ def _spaces_images(revision: int) -> dict[str, SearchSpace]:
         "inv_update_steps": Choice((10, 25, 50, 100)),
     }
     adamw: dict[str, Dimension] = {"lr": ADAMW_LR, "weight_decay": ADAMW_DECAY, **shape}
-    momentum = ("--momentum", "0.9", "--nesterov")
-    examples = () if revision == 1 else ("--factor-examples", str(IMAGE_FACTOR_EXAMPLES))
-    kfac_fixed = ("--optimizer", "kfac", "--strategy", "spd-kfac", *momentum, *examples)
-    return {
-        "sgd": SearchSpace(("--optimizer", "sgd", *momentum), sgd),
-        "adamw": SearchSpace(("--optimizer", "adamw"), adamw),
-        "kfac": SearchSpace(kfac_fixed, kfac),
+    return {"sgd": sgd, "adamw": adamw, "kfac": kfac}
+
+
+def _image_second_stage(optimizer: str) -> dict[str, Dimension]:
+    """Revision 3: around revision 2's choice (IMAGE_SECOND_STAGE)."""
+    best = IMAGE_SECOND_STAGE[optimizer]
+    dimensions: dict[str, Dimension] = {
+        "lr": _around(best["lr"]),
+        "weight_decay": _around(best["weight_decay"]),
+        "schedule": _neighbours(best["schedule"], SCHEDULE_R2.values),
+        "warmup": WARMUP,
     }
+    if "damping" in best:
+        dimensions |= {
+            "damping": _around(best["damping"]),
+            "factor_update_steps": Choice((5, 10)),
+            "inv_update_steps": Choice((25, 50, 100)),
+        }
+    return dimensions
+
+
+def _neighbours(value: float, grid: tuple[float, ...], reach: int = 2) -> Choice:
+    """``value`` and up to ``reach`` values of ``grid`` either side of it."""
+    index = grid.index(value)
+    return Choice(grid[max(0, index - reach) : index + reach + 1])
 
 
 def _around(value: float) -> LogUniform:
@@ -114,7 +173,7 @@ def _spaces_text(soap: bool, revision: int) -> dict[str, SearchSpace]:
     }
 
 
-def _fashion(smoke: bool, data: str | None, revision: int = 2) -> Workload:
+def _fashion(smoke: bool, data: str | None, revision: int = 3) -> Workload:
     data_flags = () if data is None else ("--data", data)
     if smoke:
         flags = (
@@ -161,7 +220,8 @@ def _fashion(smoke: bool, data: str | None, revision: int = 2) -> Workload:
         kfac="kfac",
         spaces=_spaces_images(revision),
         revision=revision,
-        changes="" if revision == 1 else IMAGE_CHANGES,
+        changes={1: "", 2: IMAGE_CHANGES, 3: IMAGE_CHANGES_R3}[revision],
+        tune_margin=IMAGE_TUNE_MARGIN if revision >= 3 else 0.0,
     )
 
 
@@ -275,15 +335,16 @@ def build_plan(
     ]
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
-    # Revision 1 of each workload stays in the report: its trials ran before it was
-    # revised (IMAGE_CHANGES, TEXT_CHANGES).
-    first = {
-        "fashion-mnist": _fashion(smoke, fashion_data, revision=1),
-        "text": _text(smoke, text_data, soap, revision=1),
+    # Earlier revisions stay in the report: their trials ran before the workload was
+    # revised (IMAGE_CHANGES, IMAGE_CHANGES_R3, TEXT_CHANGES).
+    earlier = {
+        "fashion-mnist": [_fashion(smoke, fashion_data, revision=r) for r in (1, 2)],
+        "text": [_text(smoke, text_data, soap, revision=1)],
     }
     retired = tuple(
-        first[name] if optimizers is None else _restrict(first[name], optimizers)
+        workload if optimizers is None else _restrict(workload, optimizers)
         for name in workloads
+        for workload in earlier[name]
     )
     return StudyPlan(
         tuple(chosen),

@@ -22,6 +22,7 @@ def test_two_ranks_end_to_end(
         "--timeout", "120",  # the launcher kills every rank after that
         # An 8x8 input keeps the MLP's first factor at 193 (3073 at 32x32 costs ~10 s here).
         "--input-size", "8", "--factor-examples", "16",
+        "--no-flush-denormal",  # a bool reaches the ranks too
     ]  # fmt: skip
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
@@ -39,6 +40,7 @@ def test_two_ranks_end_to_end(
     results = json.loads((out / "results.json").read_text())
     assert [v["name"] for v in results["variants"]] == ["sgd", "d-kfac", "spd-kfac"]
     assert results["settings"]["SGD"].endswith("statistics from 16 examples per rank")
+    assert results["machine"]["subnormal floats"] == "kept"
     for variant in results["variants"]:
         assert len(variant["times"]) == 2 and all(len(t) == 4 for t in variant["times"])
         assert variant["breakdown"]["FF&BP"] > 0

@@ -8,11 +8,18 @@ import pytest
 import torch
 from torch import nn
 
+from spdkfac.cli.main import build_parser
+from spdkfac.cli.train import _config_from_args
 from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.training.config import LR_SCHEDULES, TrainConfig
 from spdkfac.training.loop import cross_entropy_pass, train_step
 from spdkfac.training.lr_schedules import apply_to_optimizer
-from spdkfac.training.setup import LR_SCHEDULE_BUILDERS, load_datasets, make_optimizers
+from spdkfac.training.setup import (
+    LR_SCHEDULE_BUILDERS,
+    configure_cpu,
+    load_datasets,
+    make_optimizers,
+)
 
 __all__: list[str] = []
 
@@ -60,3 +67,20 @@ def test_train_limit_keeps_the_first_images(tiny_fashion_mnist: Path) -> None:
         assert torch.equal(part, whole[:40])
     with pytest.raises(ValueError, match="train_limit applies to image datasets only"):
         TrainConfig(model="gpt", dataset="text", train_limit=10)
+
+
+def test_subnormal_floats_are_flushed_unless_the_run_keeps_them() -> None:
+    assert TrainConfig().flush_denormal
+    args = build_parser().parse_args(["train", "--no-flush-denormal"])
+    assert _config_from_args(args).flush_denormal is False
+    threads = torch.get_num_threads()
+    try:
+        if not torch.set_flush_denormal(True):
+            pytest.skip("this CPU cannot flush subnormal floats")
+        configure_cpu(None, flush_denormal=False)
+        assert torch.tensor([1e-323], dtype=torch.float64).item() > 0
+        configure_cpu(threads, flush_denormal=True)
+        assert torch.tensor([1e-323], dtype=torch.float64).item() == 0
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_flush_denormal(False)

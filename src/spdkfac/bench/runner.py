@@ -40,6 +40,7 @@ from spdkfac.models import ModelKind, build_model, model_kind
 from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.profiling import Event, Phase, Profiler, breakdown, span_name
 from spdkfac.training.loop import StepHooks, cross_entropy_pass, train_step
+from spdkfac.training.setup import configure_cpu
 
 __all__ = ["BenchOptions", "Progress", "run_worker"]
 
@@ -63,6 +64,7 @@ class BenchOptions:
     chunk: int = 5
     batch_size: int = 32
     threads: int = 1
+    flush_denormal: bool = True
     factor_update_steps: int = 1
     inv_update_steps: int = 1
     fusion_warmup_steps: int | None = None
@@ -268,6 +270,7 @@ def _machine(options: BenchOptions, comm: Communicator) -> dict[str, str]:
         "python": platform.python_version(),
         "ranks": f"{comm.world_size} (gloo)",
         "threads per rank": str(options.threads),
+        "subnormal floats": "flushed to zero" if options.flush_denormal else "kept",
     }
 
 
@@ -327,7 +330,7 @@ def run_worker(options: BenchOptions, progress: Progress | None = None) -> int:
     Joins the process group described by the environment (torchrun or the launcher), or
     runs alone when there is none. Returns the exit code.
     """
-    torch.set_num_threads(options.threads)
+    configure_cpu(options.threads, flush_denormal=options.flush_denormal)
     comm = init_distributed("gloo", timeout=timedelta(seconds=options.timeout))
     try:
         probe = _build(options)

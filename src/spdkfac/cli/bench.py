@@ -29,6 +29,7 @@ _FORWARDED = (
     "model", "iters", "warmup", "chunk", "batch_size", "threads", "factor_update_steps",
     "inv_update_steps", "fusion_warmup_steps", "lr", "damping", "input_size", "in_channels",
     "seed", "cost_model", "trace_iters", "out_dir", "timeout", "factor_examples",
+    "flush_denormal",
 )  # fmt: skip
 _PROBE_TIMEOUT = 120.0  # one measurement of the emulated link takes ~10 s on 2 ranks here
 
@@ -81,6 +82,12 @@ def add_parser(verbs: Any) -> None:
     add("--chunk", type=positive_int, default=5, help="iterations per turn")
     add("--batch-size", type=positive_int, default=32, help="batch size per rank")
     add("--threads", type=positive_int, default=1, help="torch threads per rank")
+    add(
+        "--flush-denormal",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="treat subnormal floats as zero (torch.set_flush_denormal; default on)",
+    )
     add("--factor-update-steps", type=positive_int, default=1, help="K-FAC factor interval")
     add("--inv-update-steps", type=positive_int, default=1, help="K-FAC inverse interval")
     add(
@@ -120,8 +127,11 @@ def _forwarded_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--variants", ",".join(args.variants)]
     for dest in _FORWARDED:
         value = getattr(args, dest)
-        if value is not None:
-            flags += ["--" + dest.replace("_", "-"), str(value)]
+        flag = "--" + dest.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
     return flags
 
 

@@ -58,7 +58,7 @@ BATCHNORM_CURVATURES: tuple[str, ...] = ("off", *BATCHNORM_MODES)
 #: Fields a resumed run may change; any other difference refuses the checkpoint.
 RESUMABLE_CHANGES: frozenset[str] = frozenset(
     {"epochs", "max_steps", "out_dir", "resume", "checkpoint_every", "threads",
-     "tensorboard", "target_accuracy", "data", "config", "collective_timeout",
+     "flush_denormal", "tensorboard", "target_accuracy", "data", "config", "collective_timeout",
      "eval_every", "evals_per_epoch", "comm_scheduler"}
 )  # fmt: skip
 
@@ -141,6 +141,7 @@ class TrainConfig:
     augment: bool = True
     seed: int = 0
     threads: int | None = None
+    flush_denormal: bool = True
     collective_timeout: float = 600.0
     out_dir: str = "runs/train"
     checkpoint_every: int = 0

@@ -48,7 +48,7 @@ from spdkfac.training.persistence import restore_checkpoint, save_checkpoint
 from spdkfac.training.progress import ProgressBar
 from spdkfac.training.replicas import replicas_identical, state_tensors
 from spdkfac.training.rescaling import rescale_weights_
-from spdkfac.training.setup import make_optimizers
+from spdkfac.training.setup import configure_cpu, make_optimizers
 from spdkfac.training.tasks import task_for
 
 __all__ = ["EpochMetrics", "TrainSummary", "train"]
@@ -180,8 +180,7 @@ class _Run:
 
 def train(config: TrainConfig, *, log: Callable[[str], None] = print) -> TrainSummary:
     """Run (or resume) a training run on this process's rank; rank 0 writes the outputs."""
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
+    configure_cpu(config.threads, flush_denormal=config.flush_denormal)
     comm = init_distributed(timeout=timedelta(seconds=config.collective_timeout))
     try:
         run = _Run(config, comm, log)
