@@ -43,7 +43,7 @@ def configure_cpu(threads: int | None, *, flush_denormal: bool) -> None:
     """This process's intra-op threads (None: torch's default) and whether the CPU treats
     subnormal floats as zero (``torch.set_flush_denormal``; where the CPU cannot, nothing
     changes). Subnormals cost tens of times a normal operation on x86 CPUs; a
-    transformer's softmax makes them once its attention sharpens (a 2-rank GPT step under
+    transformer's softmax can make them once its attention sharpens (a 2-rank GPT step under
     K-FAC grew from 52 to 69 ms over 600 steps here, and stayed at 50 ms with them
     flushed)."""
     if threads is not None:
