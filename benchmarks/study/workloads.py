@@ -101,34 +101,53 @@ def _spaces_images(revision: int) -> dict[str, SearchSpace]:
 def _image_first_stage(revision: int) -> dict[str, dict[str, Dimension]]:
     """Revisions 1 and 2: wide ranges (revision 2: shorter schedules allowed)."""
     schedule = SCHEDULE if revision == 1 else SCHEDULE_R2
-    shape: dict[str, Dimension] = {"schedule": schedule, "warmup": WARMUP}
-    sgd: dict[str, Dimension] = {"lr": SGD_LR, "weight_decay": IMAGE_DECAY, **shape}
-    kfac: dict[str, Dimension] = {
-        **sgd,
-        "damping": LogUniform(1e-3, 0.3),
-        "factor_update_steps": Choice((1, 5, 10)),
-        "inv_update_steps": Choice((10, 25, 50, 100)),
+    refresh = (Choice((1, 5, 10)), Choice((10, 25, 50, 100)))
+    return {
+        "sgd": _space(SGD_LR, IMAGE_DECAY, schedule),
+        "adamw": _space(ADAMW_LR, ADAMW_DECAY, schedule),
+        "kfac": _space(SGD_LR, IMAGE_DECAY, schedule, LogUniform(1e-3, 0.3), refresh),
     }
-    adamw: dict[str, Dimension] = {"lr": ADAMW_LR, "weight_decay": ADAMW_DECAY, **shape}
-    return {"sgd": sgd, "adamw": adamw, "kfac": kfac}
 
 
 def _image_second_stage(optimizer: str) -> dict[str, Dimension]:
     """Revision 3: around revision 2's choice (IMAGE_SECOND_STAGE)."""
     best = IMAGE_SECOND_STAGE[optimizer]
+    schedule = _neighbours(best["schedule"], SCHEDULE_R2.values)
+    refresh = (Choice((5, 10)), Choice((25, 50, 100)))
+    return _space(*_near(best), schedule, _near_damping(best), refresh)
+
+
+def _space(
+    lr: Dimension,
+    weight_decay: Dimension,
+    schedule: Choice,
+    damping: Dimension | None = None,
+    refresh: tuple[Choice, Choice] | None = None,
+) -> dict[str, Dimension]:
+    """One optimizer's dimensions; K-FAC's (``damping`` given) add its refresh intervals."""
     dimensions: dict[str, Dimension] = {
-        "lr": _around(best["lr"]),
-        "weight_decay": _around(best["weight_decay"]),
-        "schedule": _neighbours(best["schedule"], SCHEDULE_R2.values),
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "schedule": schedule,
         "warmup": WARMUP,
     }
-    if "damping" in best:
+    if damping is not None and refresh is not None:
+        factor_steps, inv_steps = refresh
         dimensions |= {
-            "damping": _around(best["damping"]),
-            "factor_update_steps": Choice((5, 10)),
-            "inv_update_steps": Choice((25, 50, 100)),
+            "damping": damping,
+            "factor_update_steps": factor_steps,
+            "inv_update_steps": inv_steps,
         }
     return dimensions
+
+
+def _near(best: dict[str, float]) -> tuple[LogUniform, LogUniform]:
+    """Learning rate and weight decay within 3x of an earlier choice."""
+    return _around(best["lr"]), _around(best["weight_decay"])
+
+
+def _near_damping(best: dict[str, float]) -> LogUniform | None:
+    return _around(best["damping"]) if "damping" in best else None
 
 
 def _neighbours(value: float, grid: tuple[float, ...], reach: int = 2) -> Choice:
@@ -144,19 +163,11 @@ def _around(value: float) -> LogUniform:
 def _text_dimensions(optimizer: str, revision: int) -> dict[str, Dimension]:
     """Revision 1: the wide ranges; revision 2: within 3x of revision 1's choice."""
     best = TEXT_FIRST_STAGE[optimizer]
-    dimensions: dict[str, Dimension] = {
-        "lr": ADAMW_LR if revision == 1 else _around(best["lr"]),
-        "weight_decay": ADAMW_DECAY if revision == 1 else _around(best["weight_decay"]),
-        "schedule": SCHEDULE if revision == 1 else SCHEDULE_R2,
-        "warmup": WARMUP,
-    }
-    if "damping" in best:
-        dimensions |= {
-            "damping": LogUniform(1e-3, 0.1) if revision == 1 else _around(best["damping"]),
-            "factor_update_steps": Choice((1, 5, 10)),
-            "inv_update_steps": Choice((10, 25, 50)),
-        }
-    return dimensions
+    refresh = (Choice((1, 5, 10)), Choice((10, 25, 50)))
+    if revision >= 2:
+        return _space(*_near(best), SCHEDULE_R2, _near_damping(best), refresh)
+    damping = LogUniform(1e-3, 0.1) if "damping" in best else None
+    return _space(ADAMW_LR, ADAMW_DECAY, SCHEDULE, damping, refresh)
 
 
 def _spaces_text(soap: bool, revision: int) -> dict[str, SearchSpace]:
