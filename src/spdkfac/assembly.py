@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from spdkfac.autotune import AutoTuner
 from spdkfac.comm import Communicator
 from spdkfac.comm.ddp_hooks import SwitchableHook
 from spdkfac.comm.schedule import GRADIENTS
@@ -155,11 +154,12 @@ def _rows(config: KFACConfig) -> list[Strategy]:
 
 
 def routing_hook(
-    model: nn.Module, auto: AutoTuner | None, scheduler: CommScheduler | None = None
+    model: nn.Module, config: KFACConfig, scheduler: CommScheduler | None = None
 ) -> SwitchableHook | None:
-    """The DDP hook registered once when the gradient buckets' communication may change
-    (DDP takes one hook per model): ``strategy="auto"`` will try an owner-computes
-    candidate, or a ``scheduler`` orders the buckets; None otherwise.
+    """The DDP hook registered once when the gradient buckets' communication may differ
+    from DDP's own (DDP takes one hook per model, and never gives it back): a composition
+    the preconditioner may use computes on owners, or a ``scheduler`` orders the buckets;
+    None otherwise. ``remove()`` turns it back into DDP's all-reduce.
 
     Raises:
         ValueError: The DDP model already has a hook.
@@ -167,12 +167,8 @@ def routing_hook(
     ddp = find_ddp(model)
     if ddp is None:
         return None
-    tries_owners = (
-        auto is not None
-        and not auto.decided
-        and any(candidate.owner_computes for candidate in auto.candidates)
-    )
-    if scheduler is None and not tries_owners:
+    owners = any(row.owner_computes for row in _rows(config))
+    if scheduler is None and not owners:
         return None
     hooks = SwitchableHook(scheduler)
     register_ddp_hook(ddp, hooks.function)

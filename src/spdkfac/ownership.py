@@ -99,14 +99,13 @@ class OwnerUpdate:
         plan: Owners of the placed factors.
         communicator: The group.
         profiler: Where spans are recorded.
-        hooks: A hook already registered on the DDP model to route the gradient
-            communication through (``strategy="auto"``), instead of registering one.
+        hooks: The hook registered on a DDP model to route its gradient buckets through
+            (required with DDP on several ranks).
         gradients: The communicator DDP's buckets are reduced to the owners over (a
             communication scheduler's gradient stream; default ``communicator``).
 
     Raises:
-        ValueError: When the placement splits a layer, or the DDP model already has a
-            communication hook (this one replaces DDP's all-reduce).
+        ValueError: When the placement splits a layer.
     """
 
     def __init__(
@@ -142,15 +141,10 @@ class OwnerUpdate:
         self.reduces_in_step = ddp is None or communicator.world_size == 1
         #: Launch times of the DDP hook's buckets (None when gradients reduce at the step).
         self.launches: BucketLaunches | None = None
-        if not self.reduces_in_step and hooks is not None:
+        if not self.reduces_in_step:
+            assert hooks is not None, "a DDP model needs assembly.routing_hook()"
             self.launches = hooks.launches
             hooks.use(owner_reduce_hook(gradients or communicator, param_owner, self.launches))
-        elif not self.reduces_in_step:
-            assert ddp is not None
-            self.launches = BucketLaunches()
-            register_ddp_hook(
-                ddp, owner_reduce_hook(gradients or communicator, param_owner, self.launches)
-            )
 
     def _mine(self, block: CurvatureBlock) -> bool:
         return self.owner_of[block.name] in (EVERYONE, self._communicator.rank)

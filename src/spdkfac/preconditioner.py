@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from spdkfac.agreement import discover_agreed_blocks, shared_cost_model
 from spdkfac.assembly import assemble, pipeline_group_for, routing_hook, scheduler_for
 from spdkfac.autotune import AutoChoice, AutoTuner
-from spdkfac.comm import BucketLaunches, Communicator, make_communicator
+from spdkfac.comm import BucketLaunches, Communicator, make_communicator, release
 from spdkfac.comm.fusion import FusionPlan
 from spdkfac.comm.schedule import CommSchedule
 from spdkfac.config import (
@@ -139,7 +139,9 @@ class KFACPreconditioner(Snapshots):
         self._auto = AutoTuner.of(self.config, self._communicator)
         self._scheduler = scheduler_for(self.config, self._communicator, costs)
         pipeline_group = pipeline_group_for(self.config, self._communicator)
-        self._hooks = routing_hook(model, self._auto, self._scheduler)
+        scheduler_group = None if self._scheduler is None else self._scheduler.group
+        self._groups = [g for g in (scheduler_group, pipeline_group) if g is not None]
+        self._hooks = routing_hook(model, self.config, self._scheduler)
         self._assemble = functools.partial(
             assemble,
             model=model,
@@ -372,8 +374,15 @@ class KFACPreconditioner(Snapshots):
             self._switch(self._auto.current)
 
     def remove(self) -> None:
-        """Remove every hook this preconditioner installed; the model is left as it was."""
+        """Remove every hook this preconditioner installed and release the process groups
+        it created (call it on every rank, after its last step); the model is left as it
+        was, and under DDP its gradients are all-reduced by DDP's own hook again."""
         self._collector.remove()
+        if self._hooks is not None:
+            self._hooks.plain()
+        for group in self._groups:
+            release(group)
+        self._groups = []
 
     def __repr__(self) -> str:
         return (

@@ -11,6 +11,7 @@ from spdkfac.comm.distributed import (
     init_distributed,
     is_distributed,
     make_communicator,
+    release,
 )
 from spdkfac.comm.gather import gather_events
 from spdkfac.comm.local import LocalCommunicator
@@ -27,5 +28,6 @@ __all__ = [
     "init_distributed",
     "is_distributed",
     "make_communicator",
+    "release",
     "timed_allreduce_hook",
 ]

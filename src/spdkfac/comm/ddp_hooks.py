@@ -84,7 +84,7 @@ def scheduled_allreduce_hook(
         index = scheduler.admit(GRADIENTS, buffer.numel())
         if index is None:
             return allreduce_hook(state, bucket)
-        buffer.div_(scheduler.world_size)
+        buffer.div_(scheduler.group.world_size)
         return scheduler.enqueue(GRADIENTS, index, [(buffer.view(-1), None)], buffer)
 
     return hook
@@ -154,6 +154,10 @@ class SwitchableHook:
     def use(self, hook: DDPCommHook | None) -> None:
         """Use ``hook`` from the next bucket on (None: DDP's all-reduce)."""
         self._hook = hook
+
+    def plain(self) -> None:
+        """DDP's own all-reduce from the next bucket on, never the scheduler's."""
+        self._hook = self._default = None
 
     def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         if self._hook is not None:

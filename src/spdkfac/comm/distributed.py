@@ -28,6 +28,7 @@ __all__ = [
     "init_distributed",
     "is_distributed",
     "make_communicator",
+    "release",
 ]
 
 
@@ -102,6 +103,7 @@ class TorchDistributedCommunicator:
                 f"process_group: this rank ({dist.get_rank()}) is not a member of the group"
             )
         _leave_at_exit()
+        self._owns_group = False  # True for a duplicate: release() destroys its group
         self._group = process_group
         self._rank = group_rank
         self._world_size = dist.get_world_size(process_group)
@@ -192,9 +194,11 @@ class TorchDistributedCommunicator:
         # this group's: a stalled peer would hang the duplicate long after the original
         # group's timeout.
         timeout = _group_timeout(self._group, self._device)
-        return TorchDistributedCommunicator(
+        copy = TorchDistributedCommunicator(
             dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
         )
+        copy._owns_group = True
+        return copy
 
     def __repr__(self) -> str:
         return f"TorchDistributedCommunicator(rank={self._rank}, world_size={self._world_size})"
@@ -250,12 +254,26 @@ def barrier(communicator: Communicator) -> None:
         communicator.all_reduce_sum(torch.zeros(1, device=communicator.device)).wait()
 
 
+def release(communicator: Communicator) -> None:
+    """Destroy the process group of a communicator that :meth:`duplicate` made (every rank
+    at the same point, after its last collective on it); other communicators are left as
+    they are."""
+    if isinstance(communicator, TorchDistributedCommunicator) and communicator._owns_group:
+        communicator._owns_group = False
+        if dist.is_initialized():
+            _destroy(communicator.process_group)
+
+
 def destroy_distributed() -> None:
     """Leave the default process group, if one was joined."""
     if dist.is_available() and dist.is_initialized():
-        # A gloo worker thread that finished a collective still has to drop the Python
-        # ``.then()`` continuation under the GIL, and the group's destructor joins that
-        # thread while holding the GIL: tearing down right after a collective (an error
-        # agreed by every rank, say) can deadlock. Releasing the GIL briefly lets it finish.
-        time.sleep(0.05)
-        dist.destroy_process_group()
+        _destroy(None)
+
+
+def _destroy(group: Any) -> None:
+    # A gloo worker thread that finished a collective still has to drop the Python
+    # ``.then()`` continuation under the GIL, and the group's destructor joins that
+    # thread while holding the GIL: tearing down right after a collective (an error
+    # agreed by every rank, say) can deadlock. Releasing the GIL briefly lets it finish.
+    time.sleep(0.05)
+    dist.destroy_process_group(group)

@@ -124,9 +124,9 @@ class CommScheduler:
         self._nothing_to_order = False
 
     @property
-    def world_size(self) -> int:
-        """Ranks of the scheduler's group."""
-        return self._group.world_size
+    def group(self) -> Communicator:
+        """The scheduler's own group (every scheduled chunk travels on it)."""
+        return self._group
 
     @property
     def schedule(self) -> CommSchedule | None:
