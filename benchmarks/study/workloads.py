@@ -101,11 +101,11 @@ def _spaces_images(revision: int) -> dict[str, SearchSpace]:
 def _image_first_stage(revision: int) -> dict[str, dict[str, Dimension]]:
     """Revisions 1 and 2: wide ranges (revision 2: shorter schedules allowed)."""
     schedule = SCHEDULE if revision == 1 else SCHEDULE_R2
-    refresh = (Choice((1, 5, 10)), Choice((10, 25, 50, 100)))
+    kfac = (LogUniform(1e-3, 0.3), Choice((1, 5, 10)), Choice((10, 25, 50, 100)))
     return {
         "sgd": _space(SGD_LR, IMAGE_DECAY, schedule),
         "adamw": _space(ADAMW_LR, ADAMW_DECAY, schedule),
-        "kfac": _space(SGD_LR, IMAGE_DECAY, schedule, LogUniform(1e-3, 0.3), refresh),
+        "kfac": _space(SGD_LR, IMAGE_DECAY, schedule, kfac),
     }
 
 
@@ -113,26 +113,26 @@ def _image_second_stage(optimizer: str) -> dict[str, Dimension]:
     """Revision 3: around revision 2's choice (IMAGE_SECOND_STAGE)."""
     best = IMAGE_SECOND_STAGE[optimizer]
     schedule = _neighbours(best["schedule"], SCHEDULE_R2.values)
-    refresh = (Choice((5, 10)), Choice((25, 50, 100)))
-    return _space(*_near(best), schedule, _near_damping(best), refresh)
+    kfac = _near_damping(best, Choice((5, 10)), Choice((25, 50, 100)))
+    return _space(*_near(best), schedule, kfac)
+
+
+#: K-FAC's damping, factor update interval and inverse update interval.
+KFACDimensions = tuple[Dimension, Choice, Choice]
 
 
 def _space(
-    lr: Dimension,
-    weight_decay: Dimension,
-    schedule: Choice,
-    damping: Dimension | None = None,
-    refresh: tuple[Choice, Choice] | None = None,
+    lr: Dimension, weight_decay: Dimension, schedule: Choice, kfac: KFACDimensions | None = None
 ) -> dict[str, Dimension]:
-    """One optimizer's dimensions; K-FAC's (``damping`` given) add its refresh intervals."""
+    """One optimizer's dimensions (K-FAC's add its damping and refresh intervals)."""
     dimensions: dict[str, Dimension] = {
         "lr": lr,
         "weight_decay": weight_decay,
         "schedule": schedule,
         "warmup": WARMUP,
     }
-    if damping is not None and refresh is not None:
-        factor_steps, inv_steps = refresh
+    if kfac is not None:
+        damping, factor_steps, inv_steps = kfac
         dimensions |= {
             "damping": damping,
             "factor_update_steps": factor_steps,
@@ -146,8 +146,12 @@ def _near(best: dict[str, float]) -> tuple[LogUniform, LogUniform]:
     return _around(best["lr"]), _around(best["weight_decay"])
 
 
-def _near_damping(best: dict[str, float]) -> LogUniform | None:
-    return _around(best["damping"]) if "damping" in best else None
+def _near_damping(best: dict[str, float], *refresh: Choice) -> KFACDimensions | None:
+    """K-FAC's damping within 3x of an earlier choice and ``refresh`` (None: not K-FAC)."""
+    if "damping" not in best:
+        return None
+    factor_steps, inv_steps = refresh
+    return _around(best["damping"]), factor_steps, inv_steps
 
 
 def _neighbours(value: float, grid: tuple[float, ...], reach: int = 2) -> Choice:
@@ -165,9 +169,9 @@ def _text_dimensions(optimizer: str, revision: int) -> dict[str, Dimension]:
     best = TEXT_FIRST_STAGE[optimizer]
     refresh = (Choice((1, 5, 10)), Choice((10, 25, 50)))
     if revision >= 2:
-        return _space(*_near(best), SCHEDULE_R2, _near_damping(best), refresh)
-    damping = LogUniform(1e-3, 0.1) if "damping" in best else None
-    return _space(ADAMW_LR, ADAMW_DECAY, SCHEDULE, damping, refresh)
+        return _space(*_near(best), SCHEDULE_R2, _near_damping(best, *refresh))
+    kfac = (LogUniform(1e-3, 0.1), *refresh) if "damping" in best else None
+    return _space(ADAMW_LR, ADAMW_DECAY, SCHEDULE, kfac)
 
 
 def _spaces_text(soap: bool, revision: int) -> dict[str, SearchSpace]:
