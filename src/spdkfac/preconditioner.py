@@ -380,6 +380,8 @@ class KFACPreconditioner(Snapshots):
         self._collector.remove()
         if self._hooks is not None:
             self._hooks.plain()
+        if self._scheduler is not None:
+            self._scheduler.close()
         for group in self._groups:
             release(group)
         self._groups = []

@@ -3,6 +3,8 @@ windows, planned and unplanned calls, a pass without gradient calls, bad input."
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -42,6 +44,22 @@ def test_a_planned_window_runs_every_call() -> None:
     assert scheduler.admit(FACTORS, 3) is None
     scheduler.close_window()
     assert not scheduler.planned
+
+
+def test_close_ends_the_dispatcher_and_later_windows_are_unplanned() -> None:
+    scheduler = _planned()
+    streams = {s: scheduler.stream(s, LocalCommunicator()) for s in (FACTORS, GRADIENTS)}
+    before = set(threading.enumerate())
+    scheduler.open_window(FACTOR_SIZES)
+    dispatchers = [t for t in threading.enumerate() if t not in before]
+    futures = [streams[c.stream].all_reduce_sum(torch.ones(c.elements)) for c in HAND_MADE]
+    assert all(f.wait().sum() == c.elements for f, c in zip(futures, HAND_MADE, strict=True))
+    scheduler.close_window()
+    scheduler.close()
+    assert dispatchers and not any(t.is_alive() for t in dispatchers)
+    scheduler.open_window(FACTOR_SIZES)  # after close(): every call on its own group
+    assert not scheduler.planned
+    scheduler.close_window()
 
 
 def test_other_factor_buckets_make_the_window_unplanned() -> None:

@@ -74,13 +74,17 @@ def test_subnormal_floats_are_flushed_unless_the_run_keeps_them() -> None:
     args = build_parser().parse_args(["train", "--no-flush-denormal"])
     assert _config_from_args(args).flush_denormal is False
     threads = torch.get_num_threads()
-    try:
-        if not torch.set_flush_denormal(True):
-            pytest.skip("this CPU cannot flush subnormal floats")
-        configure_cpu(None, flush_denormal=False)
-        assert torch.tensor([1e-323], dtype=torch.float64).item() > 0
-        configure_cpu(threads, flush_denormal=True)
-        assert torch.tensor([1e-323], dtype=torch.float64).item() == 0
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormal floats")
+    torch.set_flush_denormal(False)
+
+    def kept() -> bool:
+        return torch.tensor([1e-323], dtype=torch.float64).item() > 0
+
+    with configure_cpu(None, flush_denormal=False):
+        assert kept()
+        with configure_cpu(threads + 1, flush_denormal=True):
+            assert not kept()
+            assert torch.get_num_threads() == threads + 1
+        assert kept()  # both as before the block again
         assert torch.get_num_threads() == threads
-    finally:
-        torch.set_flush_denormal(False)

@@ -330,7 +330,11 @@ def run_worker(options: BenchOptions, progress: Progress | None = None) -> int:
     Joins the process group described by the environment (torchrun or the launcher), or
     runs alone when there is none. Returns the exit code.
     """
-    configure_cpu(options.threads, flush_denormal=options.flush_denormal)
+    with configure_cpu(options.threads, flush_denormal=options.flush_denormal):
+        return _run_worker(options, progress)
+
+
+def _run_worker(options: BenchOptions, progress: Progress | None) -> int:
     comm = init_distributed("gloo", timeout=timedelta(seconds=options.timeout))
     try:
         probe = _build(options)

@@ -20,7 +20,6 @@ import statistics
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -39,6 +38,7 @@ from spdkfac.comm.schedule import (
     plan_priority,
 )
 from spdkfac.comm.streams import ScheduledStream
+from spdkfac.comm.window import Call, Window
 from spdkfac.costmodel import AlphaBetaModel
 
 __all__ = ["CommScheduler"]
@@ -48,38 +48,6 @@ DEFAULT_RECORDED_WINDOWS = 3
 _KEPT_WINDOWS = 8
 
 Record = tuple[tuple[str, int, int, float], ...]
-
-
-@dataclass
-class _Call:
-    """One submitted collective: its chunks, and the future the stream waits on."""
-
-    segments: list[tuple[Tensor, int | None]]  # (flat piece, owner rank or None: all-reduce)
-    result: Tensor
-    chunks: list[tuple[Tensor, int | None]] = field(default_factory=list)
-    future: Future[Tensor] = field(default_factory=Future)
-    left: int = 0
-    completed: bool = False
-
-    def cut(self, chunk_elements: int) -> None:
-        for piece, owner in self.segments:
-            for start in range(0, max(1, piece.numel()), chunk_elements):
-                self.chunks.append((piece[start : start + chunk_elements], owner))
-        self.left = len(self.chunks)
-
-
-class _Window:
-    def __init__(self, schedule: CommSchedule | None, factor_calls: int) -> None:
-        self.schedule = schedule
-        # The factor stream's calls after its buckets (weights, flags) are never ordered.
-        self.limit = {GRADIENTS: 2**62, FACTORS: factor_calls}
-        self.start = time.perf_counter()
-        self.counts = dict.fromkeys(STREAMS, 0)
-        self.calls: dict[tuple[str, int], _Call] = {}
-        self.record: list[tuple[str, int, int, float]] = []
-        self.planned = (
-            {s: len(schedule.sizes(s)) for s in STREAMS} if schedule else dict.fromkeys(STREAMS, 0)
-        )
 
 
 class CommScheduler:
@@ -116,12 +84,13 @@ class CommScheduler:
         self._lock = threading.Condition(threading.RLock())
         self._done_lock = threading.Lock()
         self._schedule: CommSchedule | None = None
-        self._window: _Window | None = None
+        self._window: Window | None = None
         self._records: list[Record] = []
-        self._queue: list[tuple[_Window, CommSchedule]] = []
+        self._queue: list[tuple[Window, CommSchedule]] = []
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._nothing_to_order = False
+        self._closed = False
 
     @property
     def group(self) -> Communicator:
@@ -166,9 +135,11 @@ class CommScheduler:
         """
         with self._lock:
             schedule = self._schedule
-            if schedule is not None and schedule.sizes(FACTORS) != tuple(factor_sizes):
+            if schedule is not None and (
+                self._closed or schedule.sizes(FACTORS) != tuple(factor_sizes)
+            ):
                 schedule = None
-            self._window = _Window(schedule, len(factor_sizes))
+            self._window = Window(schedule, len(factor_sizes))
             if schedule is not None:
                 self._start_dispatcher()
                 self._queue.append((self._window, schedule))
@@ -300,7 +271,7 @@ class CommScheduler:
             window = self._window
             assert window is not None and window.schedule is not None
             schedule = window.schedule
-            call = _Call(segments, result)
+            call = Call(segments, result)
             call.cut(schedule.chunk_elements)
             if not call.chunks:
                 call.completed = True
@@ -310,6 +281,14 @@ class CommScheduler:
             return call.future
 
     # ------------------------------------------------------------------ dispatcher
+    def close(self) -> None:
+        """End the dispatcher thread once the windows handed to it are issued."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=self._timeout)
+
     def _start_dispatcher(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(
@@ -321,6 +300,8 @@ class CommScheduler:
         while True:
             with self._lock:
                 while not self._queue:
+                    if self._closed:
+                        return
                     self._lock.wait()
                 window, schedule = self._queue[0]
             try:
@@ -341,7 +322,7 @@ class CommScheduler:
             with self._lock:
                 self._queue.pop(0)
 
-    def _wait_for(self, window: _Window, stream: str, index: int) -> _Call | None:
+    def _wait_for(self, window: Window, stream: str, index: int) -> Call | None:
         """The call once its data is handed over; None when it will not come."""
         deadline = time.monotonic() + self._timeout
         with self._lock:
@@ -356,7 +337,7 @@ class CommScheduler:
                 self._lock.wait(timeout=min(left, 1.0))
             return window.calls[(stream, index)]
 
-    def _issue(self, call: _Call, chunk: tuple[Tensor, int | None]) -> None:
+    def _issue(self, call: Call, chunk: tuple[Tensor, int | None]) -> None:
         self._credits.acquire()
         piece, owner = chunk
         group = self._group
@@ -369,7 +350,7 @@ class CommScheduler:
             )
         future.add_done_callback(lambda done: self._chunk_done(call, done))
 
-    def _chunk_done(self, call: _Call, done: Future[Tensor]) -> None:
+    def _chunk_done(self, call: Call, done: Future[Tensor]) -> None:
         """Runs on the group's worker threads (several at once): counts under a lock."""
         self._credits.release()
         failed: BaseException | None = None
@@ -388,7 +369,7 @@ class CommScheduler:
         else:
             call.future.set_result(call.result)
 
-    def _fail(self, window: _Window, error: BaseException) -> None:
+    def _fail(self, window: Window, error: BaseException) -> None:
         with self._lock:
             self._error = error
             for call in window.calls.values():

@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -39,16 +40,30 @@ FloatFn = Callable[[int], float]
 IntFn = Callable[[int], int]
 
 
-def configure_cpu(threads: int | None, *, flush_denormal: bool) -> None:
-    """This process's intra-op threads (None: torch's default) and whether the CPU treats
-    subnormal floats as zero (``torch.set_flush_denormal``; where the CPU cannot, nothing
-    changes). Subnormals cost tens of times a normal operation on x86 CPUs; a
-    transformer's softmax can make them once its attention sharpens (a 2-rank GPT step under
-    K-FAC grew from 52 to 69 ms over 600 steps here, and stayed at 50 ms with them
-    flushed)."""
+@contextlib.contextmanager
+def configure_cpu(threads: int | None, *, flush_denormal: bool) -> Iterator[None]:
+    """Within the block: this process's intra-op threads (None: as they are) and whether the
+    CPU treats subnormal floats as zero (``torch.set_flush_denormal``; where the CPU cannot,
+    nothing changes); both are as before again after it. Subnormals cost tens of times a
+    normal operation on x86 CPUs; a transformer's softmax can make them once its attention
+    sharpens (a 2-rank GPT step under K-FAC grew from 52 to 69 ms over 600 steps here, and
+    stayed at 50 ms with them flushed)."""
+    threads_before = torch.get_num_threads()
+    flushing_before = _flushing()
     if threads is not None:
         torch.set_num_threads(threads)
     torch.set_flush_denormal(flush_denormal)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads_before)
+        torch.set_flush_denormal(flushing_before)
+
+
+def _flushing() -> bool:
+    """Whether subnormal floats are flushed now (torch has no getter: a float64 subnormal
+    reads as zero then)."""
+    return torch.tensor([1e-323], dtype=torch.float64).item() == 0.0
 
 
 ImageSplits = tuple[TensorDataset, TensorDataset, int, int, int]

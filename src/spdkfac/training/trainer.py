@@ -179,8 +179,13 @@ class _Run:
 
 
 def train(config: TrainConfig, *, log: Callable[[str], None] = print) -> TrainSummary:
-    """Run (or resume) a training run on this process's rank; rank 0 writes the outputs."""
-    configure_cpu(config.threads, flush_denormal=config.flush_denormal)
+    """Run (or resume) a training run on this process's rank; rank 0 writes the outputs.
+    The process's thread count and subnormal-float mode are as before once it returns."""
+    with configure_cpu(config.threads, flush_denormal=config.flush_denormal):
+        return _train(config, log)
+
+
+def _train(config: TrainConfig, log: Callable[[str], None]) -> TrainSummary:
     comm = init_distributed(timeout=timedelta(seconds=config.collective_timeout))
     try:
         run = _Run(config, comm, log)
