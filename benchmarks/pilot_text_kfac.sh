@@ -24,3 +24,8 @@ done
 for lr in 0.007 0.012; do
   run kfac-adamw-lr$lr --optimizer kfac-adamw --lr $lr --weight-decay 0.008 --damping 0.025
 done
+# Then K-FAC under SGD-Nesterov with the KL clip off (0) or looser (0.01): it diverged
+# without the clip, and a looser clip did no better.
+run kfac-sgd-lr0.1-kl0 --optimizer kfac --momentum 0.9 --nesterov --lr 0.1 --weight-decay 0 --damping 0.03 --kl-clip 0
+run kfac-sgd-lr0.3-kl0.01 --optimizer kfac --momentum 0.9 --nesterov --lr 0.3 --weight-decay 0 --damping 0.03 --kl-clip 0.01
+run kfac-sgd-lr1.0-kl0.01 --optimizer kfac --momentum 0.9 --nesterov --lr 1.0 --weight-decay 0 --damping 0.03 --kl-clip 0.01
