@@ -5,17 +5,13 @@
 # repeats. sgd28 ran beside a 30-s test file (disturbed); kfac28_5_10 beside a report
 # regeneration at nice 19 (its repeat kfac32_5_10 is the figure quoted).
 # Output: benchmarks/reports/pilot_factor_examples/out.txt (name, steps, mean ms, median ms).
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/pilot_factor_examples}; mkdir -p "$OUT"
-run() {
-  name=$1; shift
-  rm -rf $OUT/$name
-  OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 -m spdkfac train \
-    --model resnet20 --dataset fashion-mnist --batch-size 128 --no-tensorboard --threads 1 \
-    --lr-schedule cosine --epochs 1 --max-steps 60 --evals-per-epoch 1 --val-split 0.1 \
-    --out-dir $OUT/$name "$@" > $OUT/$name.log 2>&1
-  python3 -c "import json;d=json.load(open('$OUT/$name/summary.json'));print('$name', d['steps'], round(1e3*d['train_seconds']/d['steps'],1), round(d['median_iteration_ms'],1))"
+OUT=${OUT:-/tmp/pilot_factor_examples}
+COMMON=(--model resnet20 --dataset fashion-mnist --batch-size 128 --no-tensorboard --threads 1
+  --lr-schedule cosine --epochs 1 --max-steps 60 --evals-per-epoch 1 --val-split 0.1)
+report() {
+  python3 -c "import json;d=json.load(open('$OUT/$1/summary.json'));print('$1', d['steps'], round(1e3*d['train_seconds']/d['steps'],1), round(d['median_iteration_ms'],1))"
 }
+source "$(dirname "$0")/pilot_common.sh"
 run sgd32 --optimizer sgd --momentum 0.9 --nesterov --lr 0.1 --image-size 32
 run sgd28 --optimizer sgd --momentum 0.9 --nesterov --lr 0.1 --image-size 28
 run kfac28_5_10 --optimizer kfac --strategy spd-kfac --momentum 0.9 --nesterov --lr 0.1 --image-size 28 --factor-update-steps 5 --inv-update-steps 10

@@ -6,18 +6,14 @@
 # the medians of the study's final runs at steps 25 / 50 / 75: Muon 3.81 / 3.68 / 3.60, its
 # chosen K-FAC-AdamW 4.68 / 3.99 / 3.81 (target 3.623).
 # Output: benchmarks/reports/pilot_text_kfac/out.txt (name, then (step, bits per byte)).
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/pilot_text_kfac}; mkdir -p "$OUT"
-run() {
-  name=$1; shift
-  rm -rf $OUT/$name
-  OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 -m spdkfac train \
-    --model gpt --dataset text --batch-size 16 --no-tensorboard --threads 1 \
-    --lr-schedule cosine --strategy spd-kfac --max-steps 200 --lr-schedule-steps 200 \
-    --factor-update-steps 10 --inv-update-steps 25 --eval-every 25 \
-    --out-dir $OUT/$name "$@" > $OUT/$name.log 2>&1
-  python3 -c "import json;m=json.load(open('$OUT/$name/summary.json'))['metrics'];print('$name', [(x['step'], round(x['val_bits_per_byte'], 3)) for x in m])"
+OUT=${OUT:-/tmp/pilot_text_kfac}
+COMMON=(--model gpt --dataset text --batch-size 16 --no-tensorboard --threads 1
+  --lr-schedule cosine --strategy spd-kfac --max-steps 200 --lr-schedule-steps 200
+  --factor-update-steps 10 --inv-update-steps 25 --eval-every 25)
+report() {
+  python3 -c "import json;m=json.load(open('$OUT/$1/summary.json'))['metrics'];print('$1', [(x['step'], round(x['val_bits_per_byte'], 3)) for x in m])"
 }
+source "$(dirname "$0")/pilot_common.sh"
 for lr in 0.1 0.3 0.03; do
   run kfac-sgd-lr$lr --optimizer kfac --momentum 0.9 --nesterov --lr $lr --weight-decay 0 --damping 0.03
 done
