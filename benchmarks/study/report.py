@@ -363,7 +363,7 @@ def write_report(
         "## Chosen configurations",
         "",
         "The best tuning trial of each optimizer, and the flags of its final runs (each "
-        "adds `--seed S`); provisional while its tuning trials are not all recorded:",
+        "adds `--seed S`); a row says so while its tuning trials are not all recorded:",
         "",
         "| workload | optimizer | tuning trial | final-run flags |",
         "|---|---|---|---|",
