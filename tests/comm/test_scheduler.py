@@ -62,6 +62,20 @@ def test_close_ends_the_dispatcher_and_later_windows_are_unplanned() -> None:
     scheduler.close_window()
 
 
+def test_close_in_a_window_stopped_part_way_does_not_wait_for_its_calls() -> None:
+    scheduler = CommScheduler(LocalCommunicator(), ONE_MS, timeout=600.0)
+    scheduler.adopt(plan_priority(HAND_MADE, ONE_MS, bytes_per_element=4, chunk_elements=4))
+    gradients = scheduler.stream(GRADIENTS, LocalCommunicator())
+    before = set(threading.enumerate())
+    scheduler.open_window(FACTOR_SIZES)
+    dispatchers = [t for t in threading.enumerate() if t not in before]
+    handed = next(c for c in HAND_MADE if c.stream == GRADIENTS and c.index == 0)
+    first = gradients.all_reduce_sum(torch.ones(handed.elements))
+    scheduler.close()  # the rest of the pass never comes (an exception, say)
+    assert first.wait().sum() == handed.elements
+    assert dispatchers and not any(t.is_alive() for t in dispatchers)
+
+
 def test_other_factor_buckets_make_the_window_unplanned() -> None:
     scheduler = _planned()
     scheduler.open_window([12, 8])

@@ -282,9 +282,12 @@ class CommScheduler:
 
     # ------------------------------------------------------------------ dispatcher
     def close(self) -> None:
-        """End the dispatcher thread once the windows handed to it are issued."""
+        """End the dispatcher thread: the calls handed to it are still issued, calls not
+        handed over by now (a pass that stopped part-way) are no longer waited for."""
         with self._lock:
             self._closed = True
+            for window, _ in self._queue:
+                window.limit = dict(window.counts)
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=self._timeout)
