@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spdkfac.optional import optional_import, skip_notice
+from spdkfac.support.optional import optional_import, skip_notice
 
 COMMON = (
     "--model gpt --dataset text --batch-size 16 --lr 3e-3 --lr-schedule constant "

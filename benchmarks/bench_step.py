@@ -43,11 +43,11 @@ from bench_phases import capture_layer_io  # benchmarks/ is the script's directo
 from spdkfac import KFACPreconditioner
 from spdkfac.comm import LocalCommunicator
 from spdkfac.comm.exchange import FactorExchange
-from spdkfac.comm.fusion import FusionPlan
 from spdkfac.curvature import running_average
 from spdkfac.layers import FactorOptions, lookup
 from spdkfac.linalg import damped_inverse, is_finite, pack_triu, unpack_triu
 from spdkfac.models import build_model
+from spdkfac.planning.fusion import FusionPlan
 
 #: Label -> ``KFACPreconditioner`` keyword arguments, unless ``--kfac`` names others.
 _KFAC_VARIANTS: dict[str, dict[str, Any]] = {

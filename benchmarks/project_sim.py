@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from spdkfac.costmodel import AlphaBetaModel
-from spdkfac.placement import EVERY_RANK, FactorSpec, Plan
+from spdkfac.planning.placement import EVERY_RANK, FactorSpec, Plan
 from spdkfac.profiling import BREAKDOWN_CATEGORIES
 from spdkfac.sim import (
     CommunicationModel,

@@ -93,7 +93,7 @@ it broadcasts every factor, and the queue of 64–108 broadcasts waits for the s
 inversions: SPD-KFAC is then slower than fewer broadcasts (`paper`) or than MPD-KFAC's
 layer order (`ib400`, 256 workers: 464 vs 451 ms). A placement that charged the queue, or
 issued broadcasts in order of predicted completion, would avoid it; that is a change to
-`spdkfac.placement` / `spdkfac.inversion`, not made here.
+`spdkfac.planning.placement` / `spdkfac.engine.inversion`, not made here.
 """
 LIMITS = """\
 ## What this projection cannot tell

@@ -4,7 +4,7 @@ ResNet-50, ResNet-152 and DenseNet-201 at the SPD-KFAC paper's batch sizes, 8 an
 workers, on the ``paper`` and ``eth10`` presets; factors and inverses refreshed every step
 and amortised (factors every 10 steps, inverses every 100). ``fifo`` is the simulator's
 usual model (gradient and factor buckets on two channels sharing the link); ``priority``
-orders the window's chunks with :func:`spdkfac.comm.schedule.plan_priority`
+orders the window's chunks with :func:`spdkfac.planning.schedule.plan_priority`
 (:mod:`spdkfac.sim.window`); ``dp+priority`` also merges the factors with the exact dynamic
 program around the gradient chunks (the bench row ``fusion:dp+priority``). Every number is
 simulated.
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from project_sim_scale import Kinds, _amortised, _ms  # benchmarks/: script dir
-from spdkfac.comm.schedule import STREAMS
+from spdkfac.planning.schedule import STREAMS
 from spdkfac.sim import PRESETS, StrategyResult, simulate_strategy, workload_for
 from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.paper import PAPER_TABLE_III

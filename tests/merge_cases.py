@@ -1,5 +1,5 @@
 """Random factor streams and every way to split them, for the merge rules' exhaustive
-checks (``tests/comm/test_fusion.py``, ``tests/comm/test_merge_priority.py``), and a fusion
+checks (``tests/planning/test_fusion.py``, ``tests/planning/test_merge_priority.py``), and a fusion
 policy that records what it is asked to plan."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from spdkfac.comm.fusion import FusionInputs, FusionPlan, FusionPolicy
+from spdkfac.planning.fusion import FusionInputs, FusionPlan, FusionPolicy
 
 __all__ = ["PolicySpy", "all_splits", "random_stream"]
 

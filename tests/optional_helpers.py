@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import spdkfac.optional
+import spdkfac.support.optional
 
 __all__ = ["ALL_OPTIONAL", "ERRORS", "break_packages"]
 
@@ -29,7 +29,7 @@ def break_packages(
 
     Writes ``root/<name>/__init__.py`` raising it, puts ``root`` first on ``sys.path``,
     drops already imported copies from ``sys.modules`` (restored afterwards) and gives
-    :mod:`spdkfac.optional` an empty failure cache (the old one comes back afterwards).
+    :mod:`spdkfac.support.optional` an empty failure cache (the old one comes back afterwards).
     """
     chosen = set(names)
     for name in chosen:
@@ -43,4 +43,4 @@ def break_packages(
             "tensorboard" in chosen and module.startswith("torch.utils.tensorboard")
         ):
             monkeypatch.delitem(sys.modules, module)
-    monkeypatch.setattr(spdkfac.optional, "_failures", {})
+    monkeypatch.setattr(spdkfac.support.optional, "_failures", {})

@@ -3,8 +3,8 @@ distributed)."""
 
 from __future__ import annotations
 
-from spdkfac.comm.schedule import FACTORS, GRADIENTS, ScheduledCall
 from spdkfac.costmodel import AlphaBetaModel
+from spdkfac.planning.schedule import FACTORS, GRADIENTS, ScheduledCall
 
 __all__ = ["EXPECTED", "HAND_MADE", "ONE_MS"]
 

@@ -27,7 +27,7 @@ from spdkfac.costmodel import (
     resolve_cost_model,
     save_cost_model,
 )
-from spdkfac.placement import EVERY_RANK, FactorSpec, plan_balanced
+from spdkfac.planning.placement import EVERY_RANK, FactorSpec, plan_balanced
 
 SIZES = [int(x) for x in np.geomspace(1024, 64 * 2**20, 25)]
 DIMS = [int(x) for x in np.geomspace(32, 4096, 25)]

@@ -11,15 +11,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distributed_helper import run_distributed
-from spdkfac import KFACPreconditioner, inversion
+from spdkfac import KFACPreconditioner
 from spdkfac.comm import LocalCommunicator
 from spdkfac.comm.exchange import FactorExchange
-from spdkfac.comm.fusion import FusionPlan
 from spdkfac.curvature import KroneckerBlock, blocks_memory
 from spdkfac.curvature.state import symmetric_running_average
+from spdkfac.engine import inversion
 from spdkfac.layers import lookup
 from spdkfac.linalg import pack_triu, packed_size
-from spdkfac.placement import EVERY_RANK
+from spdkfac.planning.fusion import FusionPlan
+from spdkfac.planning.placement import EVERY_RANK
 
 
 def _symmetric(dim: int, seed: int) -> Tensor:

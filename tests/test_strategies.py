@@ -10,10 +10,10 @@ import pytest
 from torch import nn
 
 from spdkfac import KFACConfig, KFACPreconditioner
-from spdkfac.comm.fusion import FACTOR_EXCHANGES, FUSION_POLICIES, FusionInputs
 from spdkfac.costmodel import DEFAULT_COST_MODEL
 from spdkfac.layers.batchnorm import BATCHNORM_MODES
-from spdkfac.placement import PLACEMENT_POLICIES, PLACEMENTS, FactorSpec, plan_inversions
+from spdkfac.planning.fusion import FACTOR_EXCHANGES, FUSION_POLICIES, FusionInputs
+from spdkfac.planning.placement import PLACEMENT_POLICIES, PLACEMENTS, FactorSpec, plan_inversions
 from spdkfac.strategies import ALGORITHMS, SGD, STRATEGIES, STRATEGY_NAMES, compose
 from spdkfac.types import FactorExchangeName, NormalizationMode, PlacementName, StrategyName
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spdkfac.optional import optional_import, skip_notice
+from spdkfac.support.optional import optional_import, skip_notice
 from study.analysis import (
     Row,
     final_rows,

@@ -9,17 +9,17 @@ from typing import Any, get_args
 
 import torch
 
-from spdkfac.checks import (
+from spdkfac.curvature.discovery import BlockSettings
+from spdkfac.forms import FORM_METHODS, FormMethod, InverseForm, inverse_form
+from spdkfac.layers import FactorOptions
+from spdkfac.strategies import AUTO_CANDIDATES, STRATEGIES, Strategy
+from spdkfac.support.checks import (
     check_candidates,
     check_choice,
     check_int,
     check_number,
     check_skip_layers,
 )
-from spdkfac.curvature.discovery import BlockSettings
-from spdkfac.forms import FORM_METHODS, FormMethod, InverseForm, inverse_form
-from spdkfac.layers import FactorOptions
-from spdkfac.strategies import AUTO_CANDIDATES, STRATEGIES, Strategy
 from spdkfac.types import (
     CommSchedulerName,
     FactorExchangeName,
@@ -114,7 +114,7 @@ class KFACConfig:
         strategy: ``"spd-kfac"`` (default), ``"mpd-kfac"``, ``"d-kfac"`` or ``"osawa"``: a
             row of :data:`spdkfac.strategies.STRATEGIES`; or ``"auto"``: the fastest of
             ``auto_candidates``, measured during the first refresh cycles
-            (:mod:`spdkfac.autotune`; not with the ``placement`` / ``factor_exchange``
+            (:mod:`spdkfac.engine.autotune`; not with the ``placement`` / ``factor_exchange``
             overrides).
         auto_candidates: The rows of :data:`~spdkfac.strategies.STRATEGIES` ``"auto"``
             tries, in order.
@@ -135,7 +135,7 @@ class KFACConfig:
         comm_scheduler: ``"fifo"`` (gradient and factor buckets on separate process
             groups, each in its own order) or ``"priority"`` (during a pipelined factor
             exchange both on one group, in one order where gradients preempt factors chunk
-            by chunk; PACE, INFOCOM 2020): see :mod:`spdkfac.comm.schedule`.
+            by chunk; PACE, INFOCOM 2020): see :mod:`spdkfac.planning.schedule`.
         factor_comm_dtype: Dtype factors travel in (e.g. ``torch.bfloat16``); running
             averages stay in float32. None: the factors' own dtype.
         accumulation_steps: Forward/backward passes per ``step()`` (gradient

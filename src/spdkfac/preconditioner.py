@@ -11,12 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from spdkfac.agreement import discover_agreed_blocks, shared_cost_model
-from spdkfac.assembly import assemble, pipeline_group_for, routing_hook, scheduler_for
-from spdkfac.autotune import AutoChoice, AutoTuner
 from spdkfac.comm import BucketLaunches, Communicator, make_communicator, release
-from spdkfac.comm.fusion import FusionPlan
-from spdkfac.comm.schedule import CommSchedule
 from spdkfac.config import (
     KFACConfig,
     constructor_signature,
@@ -26,10 +21,15 @@ from spdkfac.costmodel import CostModel
 from spdkfac.curvature import (
     unwrap_model,
 )
-from spdkfac.placement import Plan
+from spdkfac.engine.agreement import discover_agreed_blocks, shared_cost_model
+from spdkfac.engine.assembly import assemble, pipeline_group_for, routing_hook, scheduler_for
+from spdkfac.engine.autotune import AutoChoice, AutoTuner
+from spdkfac.engine.state import Snapshots
+from spdkfac.engine.update import GradientGuard, LearningRates, warn_uncaptured
+from spdkfac.planning.fusion import FusionPlan
+from spdkfac.planning.placement import Plan
+from spdkfac.planning.schedule import CommSchedule
 from spdkfac.profiling import Phase, Profiler, span_name
-from spdkfac.snapshot import Snapshots
-from spdkfac.update import GradientGuard, LearningRates, warn_uncaptured
 
 __all__ = ["KFACPreconditioner"]
 
@@ -168,7 +168,7 @@ class KFACPreconditioner(Snapshots):
     @property
     def strategy_choice(self) -> AutoChoice | None:
         """What ``strategy="auto"`` measured and chose (None before it decides, and for a
-        named strategy); :meth:`~spdkfac.autotune.AutoChoice.describe` explains it."""
+        named strategy); :meth:`~spdkfac.engine.autotune.AutoChoice.describe` explains it."""
         return None if self._auto is None else self._auto.choice
 
     @property
@@ -178,7 +178,7 @@ class KFACPreconditioner(Snapshots):
 
     @property
     def plan(self) -> Plan:
-        """Where each factor is inverted (see :mod:`spdkfac.placement`)."""
+        """Where each factor is inverted (see :mod:`spdkfac.planning.placement`)."""
         return self._inverses.plan
 
     @property

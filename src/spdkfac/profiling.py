@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from spdkfac.checks import check_choice
-from spdkfac.jsonio import write_json
+from spdkfac.support.checks import check_choice
+from spdkfac.support.jsonio import write_json
 
 __all__ = [
     "BREAKDOWN_CATEGORIES",

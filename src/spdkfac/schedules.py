@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from spdkfac.checks import check_int, check_number
+from spdkfac.support.checks import check_int, check_number
 
 __all__ = ["damping_warmup", "stale_interval"]
 

@@ -1,8 +1,8 @@
 """The one table of named strategies: compositions of a fusion and a placement policy.
 
 A strategy is a row: a fusion policy (when and how factors are all-reduced,
-:mod:`spdkfac.comm.fusion`), a placement policy (who inverts each factor,
-:mod:`spdkfac.placement`) and whether an owner's inverses share broadcasts. The
+:mod:`spdkfac.planning.fusion`), a placement policy (who inverts each factor,
+:mod:`spdkfac.planning.placement`) and whether an owner's inverses share broadcasts. The
 preconditioner (``strategy=`` plus the ``factor_exchange=`` / ``placement=`` overrides),
 the simulator and ``spdkfac bench`` all read this table. Adding a strategy is one row
 (plus a policy class when it needs a new behaviour); ``owner_computes`` (Osawa et al.'s
@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from spdkfac.comm.fusion import FUSION_POLICIES, FusionPolicy
-from spdkfac.placement import PLACEMENT_POLICIES, PlacementPolicy
+from spdkfac.planning.fusion import FUSION_POLICIES, FusionPolicy
+from spdkfac.planning.placement import PLACEMENT_POLICIES, PlacementPolicy
 
 __all__ = [
     "ALGORITHMS",
@@ -51,7 +51,7 @@ class Strategy:
         overrides: The ``KFACPreconditioner`` override options that turn ``base`` into
             this row (``factor_exchange=`` / ``placement=`` / ``comm_scheduler=``).
         comm_scheduler: ``"fifo"`` or ``"priority"``: who orders DDP's gradient buckets
-            and the pipelined factor buckets (:mod:`spdkfac.comm.schedule`).
+            and the pipelined factor buckets (:mod:`spdkfac.planning.schedule`).
     """
 
     name: str
@@ -250,7 +250,7 @@ STRATEGIES: Mapping[str, Strategy] = MappingProxyType(
     }
 )
 
-#: The rows ``strategy="auto"`` tries by default, in trial order (:mod:`spdkfac.autotune`).
+#: The rows ``strategy="auto"`` tries by default, in trial order (:mod:`spdkfac.engine.autotune`).
 AUTO_CANDIDATES: tuple[str, ...] = ("d-kfac", "spd-kfac", "osawa", "osawa-pipelined", "mpd-kfac")
 #: Values of ``strategy=``: the algorithms, and ``"auto"`` (the fastest of its candidates).
 STRATEGY_NAMES: tuple[str, ...] = (*ALGORITHMS, "auto")

@@ -31,11 +31,11 @@ SkipEntry = str | type[nn.Module]
 #: Names ``strategy=`` accepts (rows of :data:`spdkfac.strategies.STRATEGIES` that are
 #: algorithms, the ablations being reached with the overrides below; or ``"auto"``).
 StrategyName = Literal["d-kfac", "mpd-kfac", "spd-kfac", "osawa", "auto"]
-#: Fusion policies (:data:`spdkfac.comm.fusion.FUSION_POLICIES`).
+#: Fusion policies (:data:`spdkfac.planning.fusion.FUSION_POLICIES`).
 FactorExchangeName = Literal["after-backward", "layerwise", "threshold", "optimal", "dp"]
-#: Communication schedulers (:data:`spdkfac.comm.schedule.COMM_SCHEDULERS`).
+#: Communication schedulers (:data:`spdkfac.planning.schedule.COMM_SCHEDULERS`).
 CommSchedulerName = Literal["fifo", "priority"]
-#: Placement policies (:data:`spdkfac.placement.PLACEMENT_POLICIES`).
+#: Placement policies (:data:`spdkfac.planning.placement.PLACEMENT_POLICIES`).
 PlacementName = Literal["replicated", "round-robin", "balanced", "layer-owners"]
 #: Curvature of normalization layers' scale and shift (Osawa et al. 2019).
 NormalizationMode = Literal["diagonal", "unit-wise"]

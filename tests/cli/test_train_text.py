@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from spdkfac.cli import main
-from spdkfac.optional import optional_import
+from spdkfac.support.optional import optional_import
 
 __all__: list[str] = []
 

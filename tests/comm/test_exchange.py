@@ -7,8 +7,8 @@ import torch
 from distributed_helper import RecordingCommunicator
 from spdkfac.comm import LocalCommunicator
 from spdkfac.comm.exchange import FactorExchange
-from spdkfac.comm.fusion import FusionPlan, plan_threshold
 from spdkfac.linalg import pack_triu, packed_size
+from spdkfac.planning.fusion import FusionPlan, plan_threshold
 
 
 def _sym(dim: int, seed: int) -> torch.Tensor:

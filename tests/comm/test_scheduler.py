@@ -10,8 +10,8 @@ import torch
 
 from schedule_cases import HAND_MADE, ONE_MS
 from spdkfac.comm import LocalCommunicator
-from spdkfac.comm.schedule import FACTORS, GRADIENTS, plan_priority
 from spdkfac.comm.scheduler import CommScheduler
+from spdkfac.planning.schedule import FACTORS, GRADIENTS, plan_priority
 
 FACTOR_SIZES = [c.elements for c in HAND_MADE if c.stream == FACTORS]
 

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed_helper import run_distributed
 from spdkfac import KFACPreconditioner
-from spdkfac.autotune import ROUND_MARGIN
+from spdkfac.engine.autotune import ROUND_MARGIN
 from tiny_models import conv_net
 
 CANDIDATES = ("d-kfac", "spd-kfac", "osawa")

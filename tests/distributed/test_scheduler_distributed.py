@@ -24,8 +24,8 @@ from schedule_cases import EXPECTED, HAND_MADE, ONE_MS
 from spdkfac import KFACPreconditioner
 from spdkfac.comm import TorchDistributedCommunicator
 from spdkfac.comm import scheduler as scheduler_module
-from spdkfac.comm.schedule import FACTORS, GRADIENTS, plan_priority
 from spdkfac.comm.scheduler import CommScheduler
+from spdkfac.planning.schedule import FACTORS, GRADIENTS, plan_priority
 from tiny_models import conv_net
 
 STEPS = 7

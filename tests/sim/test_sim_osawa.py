@@ -9,7 +9,13 @@ from dataclasses import replace
 import pytest
 
 from spdkfac.cli.main import main
-from spdkfac.placement import EVERY_RANK, FactorSpec, Plan, plan_inversions, plan_layer_owners
+from spdkfac.planning.placement import (
+    EVERY_RANK,
+    FactorSpec,
+    Plan,
+    plan_inversions,
+    plan_layer_owners,
+)
 from spdkfac.profiling import breakdown
 from spdkfac.sim import (
     STRATEGY_TABLE,

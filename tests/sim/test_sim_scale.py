@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from spdkfac.cli.main import main
-from spdkfac.placement import FactorSpec, plan_inversions
+from spdkfac.planning.placement import FactorSpec, plan_inversions
 from spdkfac.profiling import breakdown
 from spdkfac.sim import (
     MAX_WORKERS,

@@ -10,8 +10,8 @@ import pytest
 
 from merge_cases import PolicySpy
 from spdkfac.cli.main import main
-from spdkfac.comm.fusion import FUSION_POLICIES, plan_dp
-from spdkfac.comm.schedule import (
+from spdkfac.planning.fusion import FUSION_POLICIES, plan_dp
+from spdkfac.planning.schedule import (
     COMM_SCHEDULERS,
     FACTORS,
     GRADIENTS,

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from spdkfac.placement import FactorSpec, Plan
+from spdkfac.planning.placement import FactorSpec, Plan
 from spdkfac.profiling import Event, Phase
 from spdkfac.sim import Hardware, Workload, simulate_strategy
 

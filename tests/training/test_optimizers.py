@@ -12,7 +12,7 @@ from torch import nn
 from optional_helpers import break_packages
 from spdkfac.cli import main
 from spdkfac.models import build_model
-from spdkfac.optional import OptionalPackageError, optional_import
+from spdkfac.support.optional import OptionalPackageError, optional_import
 from spdkfac.training.config import OPTIMIZERS, TrainConfig
 from spdkfac.training.loop import cross_entropy_pass, train_step
 from spdkfac.training.lr_schedules import apply_to_optimizer

@@ -16,7 +16,7 @@ from spdkfac.bench.link import LinkMeasurement
 from spdkfac.bench.netns import Cluster
 from spdkfac.calibrate import measure_collectives
 from spdkfac.comm import Communicator, destroy_distributed, init_distributed
-from spdkfac.jsonio import read_json, write_json
+from spdkfac.support.jsonio import read_json, write_json
 
 __all__ = ["PROBE_REPEATS", "PROBE_SIZES", "main", "measure_link", "probe_cluster"]
 

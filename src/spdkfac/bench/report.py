@@ -15,8 +15,8 @@ from spdkfac.bench.results import (
     ratio_to,
 )
 from spdkfac.bench.variants import VARIANTS
-from spdkfac.optional import optional_import, skip_notice
 from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, Phase, write_chrome_trace
+from spdkfac.support.optional import optional_import, skip_notice
 
 __all__ = [
     "BenchOutputs",

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from spdkfac.bench.variants import VARIANTS, after_backward_baseline
-from spdkfac.jsonio import read_json, write_json
+from spdkfac.support.jsonio import read_json, write_json
 
 __all__ = [
     "BenchResults",

@@ -9,8 +9,8 @@ from typing import NamedTuple
 import torch
 
 from spdkfac.calibrate.timing import Budget, synchronize
-from spdkfac.checks import check_int
 from spdkfac.comm import Communicator, barrier
+from spdkfac.support.checks import check_int
 
 __all__ = ["CollectiveSamples", "measure_collectives"]
 

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spdkfac.calibrate.timing import Budget, median_seconds
-from spdkfac.checks import check_int
 from spdkfac.costmodel import FactorSample, factor_flops
 from spdkfac.curvature import ActivationCapture, discover_layers
 from spdkfac.layers import KFACLayer
+from spdkfac.support.checks import check_int
 
 __all__ = ["measure_factors"]
 

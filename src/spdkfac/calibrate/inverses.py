@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from spdkfac.calibrate.timing import Budget, median_seconds
-from spdkfac.checks import check_int
 from spdkfac.linalg import InverseMethod, damped_inverse
+from spdkfac.support.checks import check_int
 
 __all__ = ["measure_inverses"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from spdkfac.costmodel import CalibrationFile, CalibrationSamples, ExponentialInverseModel
-from spdkfac.optional import optional_import, skip_notice
+from spdkfac.support.optional import optional_import, skip_notice
 
 __all__ = ["plot_calibration"]
 

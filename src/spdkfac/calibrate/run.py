@@ -14,7 +14,6 @@ from spdkfac.calibrate.factors import measure_factors
 from spdkfac.calibrate.inverses import measure_inverses
 from spdkfac.calibrate.report import fit_errors, run_metadata
 from spdkfac.calibrate.timing import Budget
-from spdkfac.checks import check_int
 from spdkfac.comm import Communicator
 from spdkfac.costmodel import (
     AlphaBetaModel,
@@ -25,6 +24,7 @@ from spdkfac.costmodel import (
     PolynomialInverseModel,
 )
 from spdkfac.linalg import InverseMethod
+from spdkfac.support.checks import check_int
 
 __all__ = ["Log", "calibrate"]
 

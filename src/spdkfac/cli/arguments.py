@@ -1,6 +1,6 @@
 """Argument types shared by the verbs: validated numbers for ``argparse``.
 
-Each parses the text, then validates it with :mod:`spdkfac.checks`; argparse reports a
+Each parses the text, then validates it with :mod:`spdkfac.support.checks`; argparse reports a
 failure as ``argument --flag: value must be ..., got ...``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from spdkfac.checks import check_int, check_number
+from spdkfac.support.checks import check_int, check_number
 
 __all__ = ["non_negative_int", "positive_float", "positive_int"]
 

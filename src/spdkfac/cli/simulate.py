@@ -180,7 +180,7 @@ def add_parser(verbs: Any) -> None:
         metavar="LIST",
         help="comma list of fifo (gradient and factor buckets on two channels sharing the "
         "link), priority (one planned order in which gradient chunks preempt factor "
-        "chunks: spdkfac.comm.schedule), or both; non-fifo results are labelled "
+        "chunks: spdkfac.planning.schedule), or both; non-fifo results are labelled "
         "STRATEGY+SCHEDULER (default fifo)",
     )
     add("--factor-update-steps", type=positive_int, default=1, help="factor refresh interval")

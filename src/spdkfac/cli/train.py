@@ -7,9 +7,9 @@ import dataclasses
 import sys
 from typing import Any
 
-from spdkfac.comm.schedule import COMM_SCHEDULERS
 from spdkfac.forms import FORM_METHODS
 from spdkfac.models import TORCHVISION_PREFIX, torchvision_builder
+from spdkfac.planning.schedule import COMM_SCHEDULERS
 from spdkfac.strategies import STRATEGY_NAMES
 from spdkfac.training.config import (
     BATCHNORM_CURVATURES,

@@ -14,8 +14,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from spdkfac.comm.base import Communicator
 from spdkfac.comm.owners import EVERYONE, reduce_to_owners
-from spdkfac.comm.schedule import GRADIENTS
 from spdkfac.comm.scheduler import CommScheduler
+from spdkfac.planning.schedule import GRADIENTS
 
 __all__ = [
     "BucketLaunches",

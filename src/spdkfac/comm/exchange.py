@@ -26,8 +26,8 @@ from torch import Tensor
 from torch.futures import Future
 
 from spdkfac.comm.base import Communicator
-from spdkfac.comm.fusion import FusionPlan
 from spdkfac.linalg import all_finite, pack_triu, packed_size
+from spdkfac.planning.fusion import FusionPlan
 
 __all__ = ["DEFAULT_BUCKET_CAP_BYTES", "ExchangeResult", "FactorExchange", "PendingExchange"]
 

@@ -23,10 +23,10 @@ from torch import Tensor
 
 from spdkfac.comm.base import Communicator
 from spdkfac.comm.exchange import DEFAULT_BUCKET_CAP_BYTES, ExchangeResult, FactorExchange
-from spdkfac.comm.fusion import FusionInputs, FusionPlan, FusionPolicy
 from spdkfac.comm.scheduler import CommScheduler
 from spdkfac.costmodel import AlphaBetaModel
 from spdkfac.linalg import packed_size
+from spdkfac.planning.fusion import FusionInputs, FusionPlan, FusionPolicy
 from spdkfac.profiling import Phase, Profiler, span_name
 
 __all__ = ["FactorPipeline", "LocalFactorExchange"]
@@ -42,7 +42,7 @@ class FactorPipeline:
         forward_slots: ``(key, dim)`` of the slots produced in the forward pass (A
             factors), in forward (registration) order.
         backward_slots: Likewise for the backward pass (G factors), in backward order.
-        policy: The fusion policy (:data:`~spdkfac.comm.fusion.FUSION_POLICIES`).
+        policy: The fusion policy (:data:`~spdkfac.planning.fusion.FUSION_POLICIES`).
         allreduce: All-reduce cost model the ``optimal`` policy plans with.
         bucket_cap_bytes: Bucket cap of ``threshold`` and ``after-backward``.
         warmup_steps: Factor steps measured before the ``optimal`` plan is made.

@@ -1,10 +1,10 @@
 """The run-time side of ``comm_scheduler="priority"``: one process group, one issue order.
 
 A :class:`CommScheduler` owns a dedicated group. During a *window* (a backward pass whose
-factor buckets are pipelined, :mod:`spdkfac.comm.schedule`), the gradient and factor streams
+factor buckets are pipelined, :mod:`spdkfac.planning.schedule`), the gradient and factor streams
 hand their collectives to it through :class:`~spdkfac.comm.streams.ScheduledStream` (a
 :class:`~spdkfac.comm.base.Communicator`), and one dispatcher thread issues their chunks
-in the :class:`~spdkfac.comm.schedule.CommSchedule`'s order, at most ``credits`` chunks in
+in the :class:`~spdkfac.planning.schedule.CommSchedule`'s order, at most ``credits`` chunks in
 flight: a chunk waits locally for its data, never for another rank's clock. Everything
 else — calls outside a window, beyond the planned ones, or before a schedule exists — goes
 to the stream's own group unchanged (``"fifo"``, today's behaviour).
@@ -26,7 +26,10 @@ from torch import Tensor
 from torch.futures import Future
 
 from spdkfac.comm.base import Communicator
-from spdkfac.comm.schedule import (
+from spdkfac.comm.streams import ScheduledStream
+from spdkfac.comm.window import Call, Window
+from spdkfac.costmodel import AlphaBetaModel
+from spdkfac.planning.schedule import (
     FACTORS,
     GRADIENTS,
     STREAMS,
@@ -37,9 +40,6 @@ from spdkfac.comm.schedule import (
     gradient_busy,
     plan_priority,
 )
-from spdkfac.comm.streams import ScheduledStream
-from spdkfac.comm.window import Call, Window
-from spdkfac.costmodel import AlphaBetaModel
 
 __all__ = ["CommScheduler"]
 

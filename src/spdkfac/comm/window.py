@@ -1,6 +1,6 @@
 """What :class:`~spdkfac.comm.scheduler.CommScheduler` keeps per window and per call.
 
-A *window* is one factor step's backward pass (:mod:`spdkfac.comm.schedule`): the calls the
+A *window* is one factor step's backward pass (:mod:`spdkfac.planning.schedule`): the calls the
 gradient and factor streams hand over during it, how many each stream may still hand over,
 and the readiness times recorded for planning.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 from torch.futures import Future
 
-from spdkfac.comm.schedule import FACTORS, GRADIENTS, STREAMS, CommSchedule
+from spdkfac.planning.schedule import FACTORS, GRADIENTS, STREAMS, CommSchedule
 
 __all__ = ["Call", "Window"]
 

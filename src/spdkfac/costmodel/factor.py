@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from spdkfac.checks import check_choice, check_number
 from spdkfac.costmodel.fitting import check_samples, nonnegative_relative_fit
+from spdkfac.support.checks import check_choice, check_number
 from spdkfac.types import FactorKind
 
 __all__ = ["FactorKind", "FactorSample", "FactorTimeModel", "FlopRateModel", "factor_flops"]

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from spdkfac.checks import check_number
 from spdkfac.costmodel.fitting import check_samples, nonnegative_relative_fit
+from spdkfac.support.checks import check_number
 
 __all__ = [
     "DEFAULT_COST_MODEL",

@@ -26,7 +26,7 @@ from spdkfac.costmodel.schema import (
     samples_from_json,
     samples_to_json,
 )
-from spdkfac.jsonio import read_json, write_json
+from spdkfac.support.jsonio import read_json, write_json
 
 __all__ = [
     "FORMAT_NAME",

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from spdkfac.forms import DampedInverse, InverseForm
 from spdkfac.layers import KFACLayer
 from spdkfac.linalg import packed_dim, unpack_triu
-from spdkfac.placement import FactorSpec
+from spdkfac.planning.placement import FactorSpec
 
 __all__ = [
     "Contribution",

@@ -19,15 +19,15 @@ from torch.autograd import Variable
 
 from spdkfac.comm import Communicator
 from spdkfac.comm.dense import reduce_dense
-from spdkfac.comm.fusion import FusionPlan, FusionPolicy
 from spdkfac.comm.pipeline import FactorPipeline, LocalFactorExchange
-from spdkfac.comm.schedule import FACTORS
 from spdkfac.comm.scheduler import CommScheduler
 from spdkfac.costmodel import AlphaBetaModel
 from spdkfac.curvature.block import Contribution, CurvatureBlock, Slot
 from spdkfac.curvature.capture import ActivationCapture
 from spdkfac.curvature.state import FactorAccumulator
 from spdkfac.linalg import is_finite
+from spdkfac.planning.fusion import FusionPlan, FusionPolicy
+from spdkfac.planning.schedule import FACTORS
 from spdkfac.profiling import Phase, Profiler, span_name
 
 __all__ = ["FactorCollector"]

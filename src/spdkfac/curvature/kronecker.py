@@ -13,7 +13,7 @@ from spdkfac.curvature.block import (
     Slot,
 )
 from spdkfac.curvature.state import running_average, symmetric_running_average
-from spdkfac.placement import FactorSpec
+from spdkfac.planning.placement import FactorSpec
 
 __all__ = ["DiagonalKroneckerBlock", "KroneckerBlock"]
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from spdkfac.optional import require
+from spdkfac.support.optional import require
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -55,7 +55,7 @@ def load_image_folder(
 
     Raises:
         ImportError: If Pillow is missing or fails to import (an
-            :class:`~spdkfac.optional.OptionalPackageError` naming the package).
+            :class:`~spdkfac.support.optional.OptionalPackageError` naming the package).
         FileNotFoundError: If ``root`` is not a directory.
         ValueError: If an argument is out of range, ``root`` has no class directory or no
             image, or an image cannot be decoded (the message names the file).

@@ -27,7 +27,7 @@ from spdkfac.models.resnet import (
     resnet56,
     wide_resnet,
 )
-from spdkfac.optional import optional_import, require
+from spdkfac.support.optional import optional_import, require
 
 __all__ = [
     "BUILTIN_MODEL_NAMES",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from spdkfac.comm.schedule import FACTORS, GRADIENTS, STREAMS, CommSchedule
+from spdkfac.planning.schedule import FACTORS, GRADIENTS, STREAMS, CommSchedule
 from spdkfac.sim.collectives import CollectiveOp
 from spdkfac.sim.program import Collective, Compute, Instruction, Issue
 from spdkfac.sim.strategies import StrategySetup
@@ -143,7 +143,7 @@ class ScheduledWindow:
     """The backward window's buckets as chunks issued in one planned order
     (``comm_scheduler="priority"``; :mod:`spdkfac.sim.window`).
 
-    Each chunk of :class:`~spdkfac.comm.schedule.CommSchedule` ``order`` is one all-reduce
+    Each chunk of :class:`~spdkfac.planning.schedule.CommSchedule` ``order`` is one all-reduce
     on :data:`SCHEDULER_CHANNEL`. A stream hands a bucket over when it is complete and
     every bucket before it in the stream was handed over; the window then posts the chunks
     of ``order`` from where it stopped, up to the first whose bucket is not handed over

@@ -62,8 +62,8 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Final, Protocol
 
-from spdkfac.checks import check_int, check_number
 from spdkfac.costmodel import AlphaBetaModel
+from spdkfac.support.checks import check_int, check_number
 
 __all__ = [
     "MIRRORS",

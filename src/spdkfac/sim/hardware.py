@@ -8,7 +8,6 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal
 
-from spdkfac.checks import check_int, check_number
 from spdkfac.costmodel import (
     AlphaBetaModel,
     CalibrationFile,
@@ -19,6 +18,7 @@ from spdkfac.costmodel import (
 from spdkfac.sim.collectives import CollectiveOp
 from spdkfac.sim.network import CollectiveCost, Network
 from spdkfac.sim.workload import LayerSpec, Op, Workload
+from spdkfac.support.checks import check_int, check_number
 
 __all__ = ["CommunicationModel", "DeviceModel", "Hardware"]
 

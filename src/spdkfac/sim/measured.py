@@ -23,9 +23,9 @@ from torch import nn
 
 from spdkfac.calibrate.factors import measure_factors
 from spdkfac.costmodel import FactorTimeModel
-from spdkfac.jsonio import read_json, write_json
 from spdkfac.sim.hardware import Hardware
 from spdkfac.sim.workload import Op, TraceItem, Workload, trace_workload
+from spdkfac.support.jsonio import read_json, write_json
 
 __all__ = ["FORMAT_NAME", "MeasuredCompute", "measure_compute"]
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-from spdkfac.checks import check_int
 from spdkfac.costmodel import AlphaBetaModel
 from spdkfac.sim.collectives import MIRRORS, Algorithm, CollectiveOp, Topology
+from spdkfac.support.checks import check_int
 
 __all__ = ["Anchor", "CollectiveCost", "Network", "NetworkModel"]
 

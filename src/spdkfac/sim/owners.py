@@ -1,7 +1,7 @@
 """Osawa et al. 2019's owner-computes step as per-rank engine programs.
 
 A row with ``owner_computes`` (``osawa``, ``osawa-pipelined``) on P > 1 ranks runs, with
-the layer owners of the real planner (:func:`~spdkfac.placement.plan_layer_owners`, via
+the layer owners of the real planner (:func:`~spdkfac.planning.placement.plan_layer_owners`, via
 :attr:`~spdkfac.sim.strategies.StrategySetup.layer_owners`):
 
 1. forward and backward as every strategy, A and G computed locally on every rank;

@@ -42,11 +42,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from spdkfac.jsonio import read_json
 from spdkfac.profiling import Event, Phase, phase_of, span_name
 from spdkfac.sim.costs import WorkloadCosts, piece_name
 from spdkfac.sim.hardware import Hardware
 from spdkfac.sim.workload import Op, TraceItem, Workload
+from spdkfac.support.jsonio import read_json
 
 __all__ = ["ProfiledCompute", "events_from_chrome_trace"]
 

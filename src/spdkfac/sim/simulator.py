@@ -7,7 +7,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from spdkfac.placement import Plan
+from spdkfac.planning.placement import Plan
 from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, breakdown
 from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.engine import simulate

@@ -3,15 +3,15 @@
 A :class:`~spdkfac.strategies.Strategy` is a row of the one strategy table (a fusion
 policy plus an inverse placement), shared with the preconditioner and ``spdkfac bench``.
 :func:`prepare` makes, for one workload, hardware and world size, exactly the plans a
-real ``KFACPreconditioner`` would: the inverse :class:`~spdkfac.placement.Plan` from
-:func:`~spdkfac.placement.plan_inversions`, the broadcast grouping of
-:func:`~spdkfac.inversion.broadcast_groups` and the factor buckets of
-:mod:`spdkfac.comm.fusion`; the ``optimal`` policy plans from the hand-over times the
+real ``KFACPreconditioner`` would: the inverse :class:`~spdkfac.planning.placement.Plan` from
+:func:`~spdkfac.planning.placement.plan_inversions`, the broadcast grouping of
+:func:`~spdkfac.engine.inversion.broadcast_groups` and the factor buckets of
+:mod:`spdkfac.planning.fusion`; the ``optimal`` policy plans from the hand-over times the
 compute-only timeline gives, as the real one plans from rank 0's measurements. DDP's
 gradient buckets follow the order gradients become final, with its 1 MiB first bucket.
 
 A row with ``owner_computes`` (Osawa et al. 2019) is planned the same way with its own
-placement policy (:func:`~spdkfac.placement.plan_layer_owners`: one owner per layer) and
+placement policy (:func:`~spdkfac.planning.placement.plan_layer_owners`: one owner per layer) and
 has no inverse broadcasts; :attr:`StrategySetup.layer_owners` says which rank owns each
 layer.
 
@@ -25,11 +25,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from spdkfac.comm.fusion import FusionInputs, FusionPlan, FusionPolicy
-from spdkfac.comm.schedule import CommSchedule
-from spdkfac.inversion import BroadcastGroup, broadcast_groups
+from spdkfac.engine.inversion import BroadcastGroup, broadcast_groups
 from spdkfac.linalg import packed_size
-from spdkfac.placement import EVERY_RANK, FactorSpec, Plan, plan_inversions
+from spdkfac.planning.fusion import FusionInputs, FusionPlan, FusionPolicy
+from spdkfac.planning.placement import EVERY_RANK, FactorSpec, Plan, plan_inversions
+from spdkfac.planning.schedule import CommSchedule
 from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.window import window_policy
 from spdkfac.sim.workload import FactorHook, GradReady, Op

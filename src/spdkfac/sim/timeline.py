@@ -14,7 +14,7 @@ Per rank, in order (names are the profiler's ``kfac/<phase>/<layer>``):
    buckets and the weights all-reduce, ``factor_comm/wait`` (unpacking included),
    ``factor_compute/running_average``; otherwise the one-element skip-flag all-reduce
    (``flag_comm/skip``).
-6. On inverse steps, :func:`~spdkfac.inversion.invert_factors` as it runs: for each
+6. On inverse steps, :func:`~spdkfac.engine.inversion.invert_factors` as it runs: for each
    broadcast group in order the owner inverts its members (``inverse_compute/<key>``),
    packs and issues the broadcast, the others issue at once; then every rank inverts the
    NCT factors; then ``inverse_comm/wait`` per group (receivers unpack) and
@@ -48,9 +48,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from spdkfac.comm.schedule import FACTORS, GRADIENTS
 from spdkfac.linalg import packed_size
-from spdkfac.placement import EVERY_RANK
+from spdkfac.planning.placement import EVERY_RANK
+from spdkfac.planning.schedule import FACTORS, GRADIENTS
 from spdkfac.profiling import Phase, phase_of, span_name
 from spdkfac.sim.builder import (
     BucketLauncher,

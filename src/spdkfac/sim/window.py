@@ -6,8 +6,8 @@ buckets share each rank's link. ``"fifo"`` is what the simulator always modelled
 buckets on the ``default`` channel, factor buckets on a ``factor`` channel of their own,
 each in its own order, the two sharing the link (or one queue with
 ``Hardware.single_queue``). ``"priority"`` plans one order with
-:func:`~spdkfac.comm.schedule.plan_priority`, the planner the real run uses: every bucket
-is cut into chunks of :func:`~spdkfac.comm.schedule.chunk_elements_for` elements, one
+:func:`~spdkfac.planning.schedule.plan_priority`, the planner the real run uses: every bucket
+is cut into chunks of :func:`~spdkfac.planning.schedule.chunk_elements_for` elements, one
 collective each, all on a channel of their own (the scheduler's process group), and every
 rank issues them in the planned order as their data becomes ready
 (:class:`~spdkfac.sim.builder.ScheduledWindow`), so a gradient chunk goes before the rest
@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
-from spdkfac.comm.fusion import FusionPlan
-from spdkfac.comm.schedule import (
+from spdkfac.costmodel import AlphaBetaModel
+from spdkfac.linalg import packed_size
+from spdkfac.planning.fusion import FusionPlan
+from spdkfac.planning.schedule import (
     COMM_SCHEDULERS,
     FACTORS,
     GRADIENTS,
@@ -46,8 +48,6 @@ from spdkfac.comm.schedule import (
     gradient_busy,
     plan_priority,
 )
-from spdkfac.costmodel import AlphaBetaModel
-from spdkfac.linalg import packed_size
 from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.network import CollectiveCost
 from spdkfac.sim.workload import FactorHook, GradReady, Op
@@ -123,7 +123,7 @@ class FifoWindow:
 
 @dataclass(frozen=True)
 class PriorityWindow:
-    """:func:`~spdkfac.comm.schedule.plan_priority` over the window's buckets.
+    """:func:`~spdkfac.planning.schedule.plan_priority` over the window's buckets.
 
     Attributes:
         name: The option's value.
@@ -155,7 +155,7 @@ class PriorityWindow:
     def gradient_busy(
         self, costs: WorkloadCosts, strategy: Strategy, grad_buckets: tuple[tuple[str, ...], ...]
     ) -> tuple[tuple[tuple[float, float], ...], int | None]:
-        """:func:`~spdkfac.comm.schedule.gradient_busy` of the window's gradient calls (the
+        """:func:`~spdkfac.planning.schedule.gradient_busy` of the window's gradient calls (the
         chunk size from the largest of them: the factor buckets are not planned yet)."""
         calls = gradient_calls(costs, grad_buckets)
         if costs.world_size < 2 or strategy.owner_computes or not calls:
@@ -186,7 +186,7 @@ def chunk_line(model: AlphaBetaModel, nbytes: float) -> AlphaBetaModel:
     return model.choose(nbytes)[1] if isinstance(model, CollectiveCost) else model
 
 
-#: ``comm_scheduler`` value → policy (the keys are :data:`~spdkfac.comm.schedule.COMM_SCHEDULERS`).
+#: ``comm_scheduler`` value → policy (keys: :data:`~spdkfac.planning.schedule.COMM_SCHEDULERS`).
 WINDOW_POLICIES: Mapping[str, WindowPolicy] = MappingProxyType(
     {policy.name: policy for policy in (FifoWindow(), PriorityWindow())}
 )

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from spdkfac import jsonio
+from spdkfac.support import jsonio
 
 __all__ = [
     "CHECKPOINT_FORMAT",

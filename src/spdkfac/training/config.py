@@ -7,19 +7,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
-from spdkfac.checks import check_choice, check_int, check_number
-from spdkfac.comm.schedule import COMM_SCHEDULERS
 from spdkfac.forms import FORM_METHODS
 from spdkfac.layers.batchnorm import BATCHNORM_MODES
 from spdkfac.models import BUILTIN_MODEL_NAMES, TORCHVISION_PREFIX, ModelKind, model_kind
-from spdkfac.optional import (
+from spdkfac.planning.schedule import COMM_SCHEDULERS
+from spdkfac.strategies import STRATEGY_NAMES
+from spdkfac.support.checks import check_choice, check_int, check_number
+from spdkfac.support.optional import (
     OptionalPackageError,
     install_hint,
     optional_import,
     require,
     unavailable_reason,
 )
-from spdkfac.strategies import STRATEGY_NAMES
 from spdkfac.types import WeightSharing
 
 __all__ = [

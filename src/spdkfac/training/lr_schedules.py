@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spdkfac.checks import check_int, check_number
+from spdkfac.support.checks import check_int, check_number
 
 __all__ = ["apply_to_optimizer", "cosine_lr", "momentum_for_lr", "polynomial_lr", "step_lr"]
 

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from spdkfac.jsonio import write_json
-from spdkfac.optional import optional_import, skip_notice
+from spdkfac.support.jsonio import write_json
+from spdkfac.support.optional import optional_import, skip_notice
 from spdkfac.training.checkpoint import atomic_write_bytes
 
 __all__ = ["EpochMetrics", "TrainSummary", "epoch_at", "format_summary", "open_tensorboard",

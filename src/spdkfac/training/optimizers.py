@@ -17,7 +17,7 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-from spdkfac.optional import OptionalPackageError, optional_import, unavailable_reason
+from spdkfac.support.optional import OptionalPackageError, optional_import, unavailable_reason
 from spdkfac.training.config import TrainConfig
 
 __all__ = [
@@ -204,7 +204,7 @@ def require_base(name: str) -> ModuleType | None:
     """The module base optimizer ``name`` needs beyond spdkfac's own requirements, or None.
 
     Raises:
-        ValueError: It is missing (an :class:`~spdkfac.optional.OptionalPackageError` for a
+        ValueError: It is missing (an :class:`~spdkfac.support.optional.OptionalPackageError` for a
             package); the message names ``--optimizer NAME`` and how to get it, for a
             package with the pip command that keeps torch pinned.
     """

@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch.futures import Future
 
-from spdkfac import inversion
 from spdkfac.comm import LocalCommunicator
 from spdkfac.comm.base import completed
+from spdkfac.engine import inversion
+from spdkfac.engine.inversion import broadcast_groups, invert_factors
 from spdkfac.forms import DampedInverse
-from spdkfac.inversion import broadcast_groups, invert_factors
 from spdkfac.linalg import damped_inverse, pack_triu, packed_size
-from spdkfac.placement import EVERY_RANK, FactorSpec, Plan
+from spdkfac.planning.placement import EVERY_RANK, FactorSpec, Plan
 from spdkfac.profiling import Phase, Profiler, span_name
 
 

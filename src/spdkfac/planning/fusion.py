@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from spdkfac.comm.merge import Busy, communication_starts, merge_dp, merge_groups
 from spdkfac.costmodel import AlphaBetaModel
+from spdkfac.planning.merge import Busy, communication_starts, merge_dp, merge_groups
 
 __all__ = [
     "FACTOR_EXCHANGES",
@@ -174,7 +174,7 @@ def plan_dp(
     busy: Busy = (),
     chunk_elements: int | None = None,
 ) -> FusionPlan:
-    """:func:`~spdkfac.comm.merge.merge_dp` on A and G, like ``optimal``; around the
+    """:func:`~spdkfac.planning.merge.merge_dp` on A and G, like ``optimal``; around the
     gradient chunks of a priority schedule when ``busy`` holds them (``a_ready``,
     ``g_ready`` and ``busy`` then share one clock)."""
     return _plan_merged(
@@ -332,7 +332,7 @@ class OptimalFusion:
 
 @dataclass(frozen=True)
 class DPFusion:
-    """The exact merge of :func:`~spdkfac.comm.merge.merge_dp` (PACE's dynamic program on
+    """The exact merge of :func:`~spdkfac.planning.merge.merge_dp` (PACE's dynamic program on
     Eq. 15's timeline, or on the priority schedule's when ``inputs.busy`` holds its
     gradient chunks); planned as :class:`ThresholdFusion` until hand-over times are
     measured."""

@@ -2,16 +2,16 @@
 one all-reduce. Eq. 15 of SPD-KFAC (Shi, Zhang, Li 2021), a greedy pass, and an exact
 dynamic program on the same one-channel timeline (after PACE, Bao et al., INFOCOM 2020),
 which may also plan around link time held by more urgent traffic: the gradient chunks a
-priority schedule (:mod:`spdkfac.comm.schedule`) sends first.
-Pure functions of replicated inputs; :mod:`spdkfac.comm.fusion` wraps them as policies."""
+priority schedule (:mod:`spdkfac.planning.schedule`) sends first.
+Pure functions of replicated inputs; :mod:`spdkfac.planning.fusion` wraps them as policies."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from spdkfac.comm.schedule import chunk_count
 from spdkfac.costmodel import AlphaBetaModel
+from spdkfac.planning.schedule import chunk_count
 
 __all__ = ["Busy", "communication_starts", "finish_after", "groups_end", "merge_dp", "merge_groups"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import spdkfac.optional
+import spdkfac.support.optional
 from optional_helpers import ALL_OPTIONAL, ERRORS, break_packages
 from spdkfac.bench.report import write_outputs
 from spdkfac.bench.results import BenchResults, VariantResult
@@ -25,7 +25,9 @@ from spdkfac.comm import LocalCommunicator
 from spdkfac.data import load_image_folder
 from spdkfac.models import build_model
 from spdkfac.models.imagenet import ImageNetResNet
-from spdkfac.optional import (
+from spdkfac.profiling import Event
+from spdkfac.sim import model_by_name
+from spdkfac.support.optional import (
     OptionalPackageError,
     import_failure,
     install_hint,
@@ -33,8 +35,6 @@ from spdkfac.optional import (
     require,
     skip_notice,
 )
-from spdkfac.profiling import Event
-from spdkfac.sim import model_by_name
 from spdkfac.training.config import load_config_file
 from spdkfac.training.metrics import open_tensorboard
 
@@ -80,14 +80,14 @@ def test_a_failure_is_cached_until_the_module_appears(
     assert optional_import("spdkfac_counted") is None
     assert optional_import("spdkfac_counted") is None
     assert attempts.read_text() == "x"  # imported (and failed) once
-    spdkfac.optional.clear_cache()
+    spdkfac.support.optional.clear_cache()
     assert optional_import("spdkfac_counted") is None
     assert attempts.read_text() == "xx"
     (package / "__init__.py").write_text("VALUE = 3\n")
     monkeypatch.setitem(sys.modules, "spdkfac_counted", None)  # fails again: halted import
     assert optional_import("spdkfac_counted") is None
     monkeypatch.delitem(sys.modules, "spdkfac_counted")
-    spdkfac.optional.clear_cache()
+    spdkfac.support.optional.clear_cache()
     module = optional_import("spdkfac_counted")
     assert module is not None and module.VALUE == 3
     assert import_failure("spdkfac_counted") is None

@@ -15,7 +15,7 @@ from spdkfac.comm import Communicator
 from spdkfac.curvature import CurvatureBlock
 from spdkfac.forms import DampedInverse, InverseForm
 from spdkfac.linalg import batch_capacity, inverse_dtype, packed_size, unpack_triu
-from spdkfac.placement import EVERY_RANK, Plan
+from spdkfac.planning.placement import EVERY_RANK, Plan
 from spdkfac.profiling import Phase, Profiler, span_name
 
 __all__ = [

@@ -12,16 +12,16 @@ from torch import nn
 
 from spdkfac.comm import Communicator
 from spdkfac.comm.ddp_hooks import SwitchableHook
-from spdkfac.comm.schedule import GRADIENTS
 from spdkfac.comm.scheduler import CommScheduler
 from spdkfac.config import KFACConfig
 from spdkfac.costmodel import CostModel
 from spdkfac.curvature import CurvatureBlock, FactorCollector
-from spdkfac.inversion import InversePhase
-from spdkfac.ownership import OwnerUpdate, find_ddp, register_ddp_hook
+from spdkfac.engine.inversion import InversePhase
+from spdkfac.engine.owners import OwnerUpdate, find_ddp, register_ddp_hook
+from spdkfac.engine.update import ReplicatedUpdate
+from spdkfac.planning.schedule import GRADIENTS
 from spdkfac.profiling import Profiler
 from spdkfac.strategies import Strategy
-from spdkfac.update import ReplicatedUpdate
 
 __all__ = ["Stages", "assemble", "pipeline_group_for", "routing_hook", "scheduler_for"]
 

@@ -243,7 +243,7 @@ def gradient_busy(
     """The link intervals the gradient calls of a window hold under :func:`plan_priority`
     (merged where they touch): gradients are the most urgent class, so factor buckets
     get the link only outside them. What the ``dp`` fusion policy plans around
-    (:func:`spdkfac.comm.merge.merge_dp`)."""
+    (:func:`spdkfac.planning.merge.merge_dp`)."""
     gradients = [c for c in calls if c.stream == GRADIENTS]
     busy: list[tuple[float, float]] = []
     for *_, start, end in _list_schedule(gradients, model, bytes_per_element, chunk_elements):

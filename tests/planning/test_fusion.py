@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from merge_cases import all_splits, random_stream
-from spdkfac.comm.fusion import (
+from spdkfac.costmodel import AlphaBetaModel
+from spdkfac.planning.fusion import (
     FusionPlan,
     communication_starts,
     merge_groups,
@@ -17,7 +18,6 @@ from spdkfac.comm.fusion import (
     plan_optimal,
     plan_threshold,
 )
-from spdkfac.costmodel import AlphaBetaModel
 
 KEYS = [f"l{i}" for i in range(6)]
 
@@ -98,7 +98,7 @@ def test_plan_validation() -> None:
 
 
 def test_dp_merge_is_the_best_split_and_never_worse_than_eq15() -> None:
-    from spdkfac.comm.merge import groups_end, merge_dp, merge_groups
+    from spdkfac.planning.merge import groups_end, merge_dp, merge_groups
 
     model = AlphaBetaModel(alpha=5e-4, beta=8e-9)
     for seed in range(40):
@@ -115,7 +115,7 @@ def test_dp_merge_is_the_best_split_and_never_worse_than_eq15() -> None:
 
 
 def test_dp_policy_plans_like_threshold_until_measured() -> None:
-    from spdkfac.comm.fusion import FUSION_POLICIES, FusionInputs
+    from spdkfac.planning.fusion import FUSION_POLICIES, FusionInputs
 
     inputs = FusionInputs(
         a_order=("a1", "a2"),

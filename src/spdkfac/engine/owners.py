@@ -2,7 +2,7 @@
 
 Osawa et al. 2019 ("Large-scale distributed second-order optimization using
 Kronecker-factored approximate curvature", Sec. 3, Fig. 1): every registered layer has
-one owner (the placement's :class:`~spdkfac.placement.Plan`). Gradients reach the owners
+one owner (the placement's :class:`~spdkfac.planning.placement.Plan`). Gradients reach the owners
 averaged by a reduce-scatter — under ``DistributedDataParallel`` through a communication
 hook that replaces DDP's all-reduce, otherwise issued here at the step — the owner
 preconditions its layers with the factors and inverses only it holds, and the
@@ -33,10 +33,10 @@ from spdkfac.comm.ddp_hooks import (
 )
 from spdkfac.comm.owners import EVERYONE, gather_from_owners, reduce_to_owners
 from spdkfac.curvature import CurvatureBlock
+from spdkfac.engine.update import block_gradients, clip_from_sum, clip_terms
 from spdkfac.linalg import all_finite
-from spdkfac.placement import EVERY_RANK, Plan
+from spdkfac.planning.placement import EVERY_RANK, Plan
 from spdkfac.profiling import Phase, Profiler, span_name
-from spdkfac.update import block_gradients, clip_from_sum, clip_terms
 
 __all__ = [
     "OwnerUpdate",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from schedule_cases import EXPECTED, HAND_MADE, ONE_MS
-from spdkfac.comm.schedule import (
+from spdkfac.costmodel import AlphaBetaModel
+from spdkfac.planning.schedule import (
     FACTORS,
     GRADIENTS,
     MIN_CHUNK_ELEMENTS,
@@ -14,7 +15,6 @@ from spdkfac.comm.schedule import (
     plan_fifo,
     plan_priority,
 )
-from spdkfac.costmodel import AlphaBetaModel
 
 
 def test_hand_made_order() -> None:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from spdkfac.costmodel import DEFAULT_COST_MODEL, AlphaBetaModel, CostModel, PolynomialInverseModel
-from spdkfac.placement import (
+from spdkfac.planning.placement import (
     EVERY_RANK,
     FactorSpec,
     Plan,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from spdkfac.jsonio import atomic_write_bytes, read_json, write_json
+from spdkfac.support.jsonio import atomic_write_bytes, read_json, write_json
 
 
 def test_round_trip_leaves_no_temporary_file(tmp_path: Path) -> None:

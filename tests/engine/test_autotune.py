@@ -9,9 +9,9 @@ from torch import nn
 from torch.futures import Future
 
 from spdkfac import KFACPreconditioner
-from spdkfac.autotune import ROUND_MARGIN, AutoTuner, amortized_seconds, kind_shares
 from spdkfac.comm import LocalCommunicator
 from spdkfac.comm.base import completed
+from spdkfac.engine.autotune import ROUND_MARGIN, AutoTuner, amortized_seconds, kind_shares
 from spdkfac.strategies import STRATEGIES
 
 

@@ -11,12 +11,12 @@ import torch
 from merge_cases import PolicySpy, all_splits, random_stream
 from schedule_cases import ONE_MS
 from spdkfac.comm import LocalCommunicator
-from spdkfac.comm.fusion import ThresholdFusion
-from spdkfac.comm.merge import finish_after, groups_end, merge_dp
 from spdkfac.comm.pipeline import FactorPipeline
-from spdkfac.comm.schedule import GRADIENTS, ScheduledCall, gradient_busy
 from spdkfac.comm.scheduler import CommScheduler
 from spdkfac.costmodel import AlphaBetaModel
+from spdkfac.planning.fusion import ThresholdFusion
+from spdkfac.planning.merge import finish_after, groups_end, merge_dp
+from spdkfac.planning.schedule import GRADIENTS, ScheduledCall, gradient_busy
 
 
 def test_finish_after_pauses_in_busy_intervals() -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from spdkfac.assembly import Stages
-from spdkfac.autotune import AutoTuner
 from spdkfac.comm import Communicator
 from spdkfac.config import KFACConfig
 from spdkfac.curvature import (
@@ -21,10 +19,12 @@ from spdkfac.curvature import (
     load_blocks_state,
     without_inverses,
 )
-from spdkfac.inversion import InversePhase
-from spdkfac.ownership import OwnerUpdate, drop_unowned, gather_states
+from spdkfac.engine.assembly import Stages
+from spdkfac.engine.autotune import AutoTuner
+from spdkfac.engine.inversion import InversePhase
+from spdkfac.engine.owners import OwnerUpdate, drop_unowned, gather_states
+from spdkfac.engine.update import ReplicatedUpdate
 from spdkfac.strategies import Strategy
-from spdkfac.update import ReplicatedUpdate
 
 __all__ = ["STATE_FORMAT", "Snapshots"]
 

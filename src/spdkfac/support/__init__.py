@@ -1,0 +1,2 @@
+"""Small utilities every floor may use: option validators, atomic JSON files, optional
+packages."""
