@@ -36,18 +36,18 @@ def test_every_row_is_reached_by_its_options(name: str) -> None:
     composed = config.composition
     assert composed.fusion == strategy.fusion
     assert composed.placement_policy == strategy.placement_policy
-    assert composed.fuse_broadcasts == strategy.fuse_broadcasts
+    assert composed.broadcasts == strategy.broadcasts
 
 
 def test_algorithms_compose_the_papers_policies() -> None:
     expected = {
-        "d-kfac": ("after-backward", "replicated", False),
-        "mpd-kfac": ("after-backward", "round-robin", False),
-        "spd-kfac": ("optimal", "balanced", True),
+        "d-kfac": ("after-backward", "replicated", "per-factor"),
+        "mpd-kfac": ("after-backward", "round-robin", "per-factor"),
+        "spd-kfac": ("optimal", "balanced", "fused"),
     }
     for name, (exchange, placement, fuse) in expected.items():
         row = STRATEGIES[name]
-        assert (row.factor_exchange, row.placement, row.fuse_broadcasts) == (
+        assert (row.factor_exchange, row.placement, row.broadcasts.name) == (
             exchange,
             placement,
             fuse,

@@ -12,7 +12,8 @@ import torch
 from spdkfac.curvature.discovery import BlockSettings
 from spdkfac.forms import FORM_METHODS, FormMethod, InverseForm, inverse_form
 from spdkfac.layers import FactorOptions
-from spdkfac.strategies import AUTO_CANDIDATES, STRATEGIES, Strategy
+from spdkfac.planning.schedule import SCHEDULER_POLICIES
+from spdkfac.strategies import AUTO_CANDIDATES, STRATEGIES, AutoStrategy, Strategy
 from spdkfac.support.checks import (
     check_candidates,
     check_choice,
@@ -236,9 +237,15 @@ class KFACConfig:
         check_number("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
 
     @property
-    def composition(self) -> Strategy:
-        """The strategy row in effect: ``strategy`` with the overrides applied (for
-        ``"auto"``: its first candidate, the one it starts with)."""
+    def selection(self) -> Strategy | AutoStrategy:
+        """What ``strategy`` selects: a row with the overrides applied, or, for
+        ``"auto"``, an :class:`~spdkfac.strategies.AutoStrategy` of its candidate rows
+        (``comm_scheduler="priority"`` applies to every one; a ``+priority`` row keeps its
+        scheduler). The one place the option's text is read.
+
+        Raises:
+            ValueError: ``"auto"`` with a ``factor_exchange`` or ``placement`` override.
+        """
         if self.strategy == "auto":
             overrides = {"factor_exchange": self.factor_exchange, "placement": self.placement}
             given = {name: value for name, value in overrides.items() if value is not None}
@@ -247,7 +254,14 @@ class KFACConfig:
                     f"strategy='auto' chooses the factor exchange and the placement itself: "
                     f"remove {given}, or name a strategy"
                 )
-            return self.candidate_rows[0]
+            priority = SCHEDULER_POLICIES[self.comm_scheduler].orders_traffic
+            scheduler = self.comm_scheduler if priority else None
+            return AutoStrategy(
+                tuple(
+                    STRATEGIES[name].with_overrides(comm_scheduler=scheduler)
+                    for name in self.auto_candidates
+                )
+            )
         return STRATEGIES[self.strategy].with_overrides(
             factor_exchange=self.factor_exchange,
             placement=self.placement,
@@ -255,14 +269,10 @@ class KFACConfig:
         )
 
     @property
-    def candidate_rows(self) -> list[Strategy]:
-        """The rows ``strategy="auto"`` tries (``comm_scheduler="priority"`` applies to
-        every one; a ``+priority`` row keeps its scheduler)."""
-        scheduler = "priority" if self.comm_scheduler == "priority" else None
-        return [
-            STRATEGIES[name].with_overrides(comm_scheduler=scheduler)
-            for name in self.auto_candidates
-        ]
+    def composition(self) -> Strategy:
+        """The strategy row a preconditioner of these options starts with (for
+        ``"auto"``: its first candidate)."""
+        return self.selection.first
 
     @property
     def norm_mode(self) -> NormalizationMode | None:

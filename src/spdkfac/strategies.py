@@ -1,13 +1,15 @@
-"""The one table of named strategies: compositions of a fusion and a placement policy.
+"""The one table of named strategies: compositions of one object per strategy axis.
 
 A strategy is a row: a fusion policy (when and how factors are all-reduced,
 :mod:`spdkfac.planning.fusion`), a placement policy (who inverts each factor,
-:mod:`spdkfac.planning.placement`) and whether an owner's inverses share broadcasts. The
-preconditioner (``strategy=`` plus the ``factor_exchange=`` / ``placement=`` overrides),
-the simulator and ``spdkfac bench`` all read this table. Adding a strategy is one row
-(plus a policy class when it needs a new behaviour); ``owner_computes`` (Osawa et al.'s
-reduce-scatter / owners precondition / all-gather) is one such axis, the next ones (a
-communication scheduler) become further fields of :class:`Strategy`.
+:mod:`spdkfac.planning.placement`), a final-stage policy (every rank preconditions, or
+each layer's owner: :mod:`spdkfac.planning.final`), a scheduler policy (who orders a
+factor step's traffic: :mod:`spdkfac.planning.schedule`) and a broadcast policy (how
+communicated inverses are grouped: :mod:`spdkfac.planning.broadcasts`). The
+preconditioner (``strategy=`` plus the ``factor_exchange=`` / ``placement=`` /
+``comm_scheduler=`` overrides), the simulator and ``spdkfac bench`` all read this table.
+Adding a strategy is one row (plus a policy object when it needs a new behaviour).
+``strategy="auto"`` is its own type, :class:`AutoStrategy`: the candidate rows it tries.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
+from spdkfac.planning.broadcasts import BroadcastPolicy, FusedBroadcasts, PerFactorBroadcasts
+from spdkfac.planning.final import OWNER_COMPUTES, REPLICATED, FinalPolicy
 from spdkfac.planning.fusion import FUSION_POLICIES, FusionPolicy
 from spdkfac.planning.placement import PLACEMENT_POLICIES, PlacementPolicy
+from spdkfac.planning.schedule import FIFO, SCHEDULER_POLICIES, SchedulerPolicy
 
 __all__ = [
     "ALGORITHMS",
@@ -25,6 +30,7 @@ __all__ = [
     "SGD",
     "STRATEGIES",
     "STRATEGY_NAMES",
+    "AutoStrategy",
     "Strategy",
     "compose",
 ]
@@ -38,46 +44,58 @@ class Strategy:
         name: Key of :data:`STRATEGIES` (``"sgd"`` for the first-order baseline).
         fusion: The factor exchange (None: no K-FAC).
         placement_policy: The inverse placement (None: no K-FAC).
-        fuse_broadcasts: Pack an owner's consecutive inverses into one broadcast until its
-            bandwidth time outweighs the start-up time (cost model), instead of one
-            broadcast per factor as in the SPD-KFAC paper.
+        broadcasts: How an owner's communicated inverses are grouped into broadcasts.
         description: One line for reports.
-        owner_computes: Osawa et al. 2019's hybrid exchange: gradients and factors are
-            reduce-scattered to each layer's owner, which inverts and preconditions, and
-            the preconditioned gradients are all-gathered (no inverse is communicated).
-            Needs a placement that owns layers.
         base: The algorithm (``strategy=`` value) this row modifies; itself for the
             algorithms, None for SGD.
         overrides: The ``KFACPreconditioner`` override options that turn ``base`` into
             this row (``factor_exchange=`` / ``placement=`` / ``comm_scheduler=``).
-        comm_scheduler: ``"fifo"`` or ``"priority"``: who orders DDP's gradient buckets
-            and the pipelined factor buckets (:mod:`spdkfac.planning.schedule`).
+        final: Who preconditions: every rank, or each layer's owner (Osawa et al.'s
+            hybrid exchange, which needs a placement that owns layers).
+        scheduler: Who orders DDP's gradient buckets and the pipelined factor buckets
+            (:mod:`spdkfac.planning.schedule`).
     """
 
     name: str
     fusion: FusionPolicy | None
     placement_policy: PlacementPolicy | None
-    fuse_broadcasts: bool
+    broadcasts: BroadcastPolicy
     description: str
     base: str | None = None
     overrides: Mapping[str, str] = field(default_factory=dict)
-    owner_computes: bool = False
-    comm_scheduler: str = "fifo"
+    final: FinalPolicy = REPLICATED
+    scheduler: SchedulerPolicy = FIFO
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overrides", MappingProxyType(dict(self.overrides)))
         placement = self.placement_policy
-        if self.owner_computes and placement is not None and not placement.owns_layers:
-            raise ValueError(
-                f"placement={placement.name!r} cannot be used with strategy={self.base!r}: "
-                "its owners precondition whole layers, so the placement must give every "
-                "factor of a layer to one rank (e.g. 'layer-owners')"
-            )
+        if placement is not None:
+            self.final.check_placement(placement.name, placement.owns_layers, self.base)
+
+    @property
+    def rows(self) -> tuple[Strategy, ...]:
+        """The compositions a preconditioner of this selection may use: this one."""
+        return (self,)
+
+    @property
+    def first(self) -> Strategy:
+        """The composition a preconditioner starts with: this one."""
+        return self
 
     @property
     def uses_kfac(self) -> bool:
         """False for the SGD baseline."""
         return self.fusion is not None
+
+    @property
+    def owner_computes(self) -> bool:
+        """Whether each layer's owner preconditions it (the final stage's fact)."""
+        return self.final.owners_precondition
+
+    @property
+    def comm_scheduler(self) -> str:
+        """Name of the scheduler policy."""
+        return self.scheduler.name
 
     @property
     def factor_exchange(self) -> str | None:
@@ -106,8 +124,35 @@ class Strategy:
             self,
             fusion=FUSION_POLICIES[factor_exchange] if factor_exchange else self.fusion,
             placement_policy=PLACEMENT_POLICIES[placement] if placement else self.placement_policy,
-            comm_scheduler=comm_scheduler or self.comm_scheduler,
+            scheduler=SCHEDULER_POLICIES[comm_scheduler] if comm_scheduler else self.scheduler,
         )
+
+
+@dataclass(frozen=True)
+class AutoStrategy:
+    """``strategy="auto"``: the fastest of ``candidates``, measured online
+    (:mod:`spdkfac.engine.autotune`); it starts with the first.
+
+    Attributes:
+        candidates: The rows it tries, in trial order.
+    """
+
+    candidates: tuple[Strategy, ...]
+    name: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError("auto_candidates must name at least one strategy")
+
+    @property
+    def rows(self) -> tuple[Strategy, ...]:
+        """The compositions a preconditioner of this selection may use: the candidates."""
+        return self.candidates
+
+    @property
+    def first(self) -> Strategy:
+        """The composition a preconditioner starts with: the first candidate."""
+        return self.candidates[0]
 
 
 def compose(
@@ -134,19 +179,19 @@ def _algorithm(
     name: str,
     exchange: str,
     placement: str,
-    fuse: bool,
+    broadcasts: BroadcastPolicy,
     description: str,
     *,
-    owner_computes: bool = False,
+    final: FinalPolicy = REPLICATED,
 ) -> Strategy:
     return Strategy(
         name,
         FUSION_POLICIES[exchange],
         PLACEMENT_POLICIES[placement],
-        fuse,
+        broadcasts,
         description,
         name,
-        owner_computes=owner_computes,
+        final=final,
     )
 
 
@@ -162,37 +207,37 @@ _ALGORITHMS: dict[str, Strategy] = {
             "d-kfac",
             "after-backward",
             "replicated",
-            False,
+            PerFactorBroadcasts(),
             "D-KFAC: after-backward, replicated inverses",
         ),
         _algorithm(
             "mpd-kfac",
             "after-backward",
             "round-robin",
-            False,
+            PerFactorBroadcasts(),
             "MPD-KFAC: after-backward, round-robin inverses",
         ),
         _algorithm(
             "spd-kfac",
             "optimal",
             "balanced",
-            True,
+            FusedBroadcasts(),
             "SPD-KFAC: optimal fusion, balanced CT/NCT inverses",
         ),
         _algorithm(
             "osawa",
             "after-backward",
             "layer-owners",
-            False,
+            PerFactorBroadcasts(),
             "Osawa et al.: reduce-scatter to layer owners, owners precondition, all-gather",
-            owner_computes=True,
+            final=OWNER_COMPUTES,
         ),
     )
 }
 ALGORITHMS: tuple[str, ...] = tuple(_ALGORITHMS)
 
 #: The first-order baseline of the simulator and the benchmark.
-SGD = Strategy("sgd", None, None, False, "momentum SGD, no K-FAC")
+SGD = Strategy("sgd", None, None, PerFactorBroadcasts(), "momentum SGD, no K-FAC")
 
 #: Every named composition: the algorithms and the paper's ablations (Fig. 9, Fig. 10).
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType(

@@ -9,9 +9,10 @@ from torch.futures import Future
 from spdkfac.comm import LocalCommunicator
 from spdkfac.comm.base import completed
 from spdkfac.engine import inversion
-from spdkfac.engine.inversion import broadcast_groups, invert_factors
+from spdkfac.engine.inversion import invert_factors
 from spdkfac.forms import DampedInverse
 from spdkfac.linalg import damped_inverse, pack_triu, packed_size
+from spdkfac.planning.broadcasts import broadcast_groups
 from spdkfac.planning.placement import EVERY_RANK, FactorSpec, Plan
 from spdkfac.profiling import Phase, Profiler, span_name
 

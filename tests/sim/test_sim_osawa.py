@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from spdkfac.cli.main import main
+from spdkfac.planning.final import REPLICATED
 from spdkfac.planning.placement import (
     EVERY_RANK,
     FactorSpec,
@@ -172,7 +173,7 @@ def test_each_bucket_is_one_reduce_per_owner(name: str, world_size: int) -> None
     setup = _setup(workload, hardware, world_size, name)
     owned = _collectives(setup)
     # The same buckets, all-reduced, by the row that differs only in owner_computes.
-    base = replace(STRATEGY_TABLE[name], owner_computes=False)
+    base = replace(STRATEGY_TABLE[name], final=REPLICATED)
     reference = _collectives(
         prepare(WorkloadCosts(workload, hardware, world_size), base, plan=setup.plan)
     )

@@ -76,11 +76,11 @@ def assemble(
         exchange_group = pipeline_group
     else:
         exchange_group = communicator
-    if composition.comm_scheduler != "priority":
+    if not composition.scheduler.orders_traffic:
         scheduler = None  # the hook's default path is DDP's all-reduce then
     specs = [spec for block in blocks for spec in block.inverse_specs()]
     plan = composition.placement_policy.plan(specs, communicator.world_size, costs)
-    owners = composition.owner_computes
+    owners = composition.final.owners_precondition
     if hooks is not None:
         hooks.use(None)  # DDP's all-reduce unless the owner update routes it
     update: ReplicatedUpdate | OwnerUpdate = (
@@ -100,7 +100,7 @@ def assemble(
         plan,
         communicator,
         config.inverse_form,
-        min_group_elements=costs.broadcast_group_elements() if composition.fuse_broadcasts else 0,
+        min_group_elements=composition.broadcasts.min_group_elements(costs),
         owners_keep=owners,
         max_failures=config.max_inverse_failures,
         profiler=profiler,
@@ -131,7 +131,7 @@ def scheduler_for(
     """The communication scheduler, with a process group of its own (a collective), when
     a composition the preconditioner may use has ``comm_scheduler="priority"`` on a group
     of several ranks; None otherwise."""
-    wanted = any(row.comm_scheduler == "priority" for row in _rows(config))
+    wanted = any(row.scheduler.orders_traffic for row in config.selection.rows)
     if not wanted or communicator.world_size == 1:
         return None
     return CommScheduler(communicator.duplicate(), costs.allreduce)
@@ -142,15 +142,10 @@ def pipeline_group_for(config: KFACConfig, communicator: Communicator) -> Commun
     when a composition the preconditioner may use has a pipelined fusion on a group of
     several ranks, and shared by every collector ``strategy="auto"`` assembles; None
     otherwise."""
-    wanted = any(row.fusion is not None and row.fusion.eager for row in _rows(config))
+    wanted = any(row.fusion is not None and row.fusion.eager for row in config.selection.rows)
     if not wanted or communicator.world_size == 1:
         return None
     return communicator.duplicate()
-
-
-def _rows(config: KFACConfig) -> list[Strategy]:
-    """The compositions a preconditioner of ``config`` may use."""
-    return config.candidate_rows if config.strategy == "auto" else [config.composition]
 
 
 def routing_hook(
@@ -167,7 +162,7 @@ def routing_hook(
     ddp = find_ddp(model)
     if ddp is None:
         return None
-    owners = any(row.owner_computes for row in _rows(config))
+    owners = any(row.final.owners_precondition for row in config.selection.rows)
     if scheduler is None and not owners:
         return None
     hooks = SwitchableHook(scheduler)

@@ -45,7 +45,7 @@ import torch
 
 from spdkfac.comm import Communicator
 from spdkfac.config import KFACConfig
-from spdkfac.strategies import Strategy
+from spdkfac.strategies import AutoStrategy, Strategy
 
 __all__ = [
     "KINDS",
@@ -184,10 +184,11 @@ class AutoTuner:
     @classmethod
     def of(cls, config: KFACConfig, communicator: Communicator) -> AutoTuner | None:
         """The tuner of ``config`` (None unless ``strategy="auto"``)."""
-        if config.strategy != "auto":
+        selection = config.selection
+        if not isinstance(selection, AutoStrategy):
             return None
         return cls(
-            config.candidate_rows,
+            list(selection.candidates),
             communicator,
             min_steps=config.auto_trial_steps,
             rounds=config.auto_rounds,

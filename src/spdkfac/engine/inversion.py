@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,73 +14,16 @@ from torch.futures import Future
 from spdkfac.comm import Communicator
 from spdkfac.curvature import CurvatureBlock
 from spdkfac.forms import DampedInverse, InverseForm
-from spdkfac.linalg import batch_capacity, inverse_dtype, packed_size, unpack_triu
+from spdkfac.linalg import batch_capacity, inverse_dtype, unpack_triu
+from spdkfac.planning.broadcasts import BroadcastGroup, broadcast_groups
 from spdkfac.planning.placement import EVERY_RANK, Plan
 from spdkfac.profiling import Phase, Profiler, span_name
 
 __all__ = [
-    "BroadcastGroup",
     "InverseOutcome",
     "InversePhase",
-    "broadcast_groups",
     "invert_factors",
 ]
-
-
-@dataclass(frozen=True)
-class BroadcastGroup:
-    """Results one owner sends in a single broadcast, concatenated in their wire format
-    (packed triangles for damped inverses)."""
-
-    owner: int
-    keys: tuple[str, ...]
-    dims: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @property
-    def elements(self) -> int:
-        """Length of the concatenated buffer."""
-        return sum(self.sizes)
-
-
-def broadcast_groups(
-    plan: Plan,
-    available: Mapping[str, object],
-    min_group_elements: int = 0,
-    wire_size: Callable[[int], int] = packed_size,
-) -> list[BroadcastGroup]:
-    """Communicated factors grouped into broadcasts, in the order every rank issues them.
-
-    Each owner's factors are taken in plan order and packed into groups of at least
-    ``min_group_elements`` elements (0: one broadcast per factor, as in the SPD-KFAC paper;
-    larger values save per-message start-up time when it dominates). Owners' groups are
-    interleaved (first group of every rank, then second, …) so all ranks start computing
-    at once and each broadcast is issued as soon as its owner can have it ready. Depends
-    only on the plan and on which factors exist, both replicated on every rank.
-    ``wire_size`` gives a result's elements from its factor's side (the inverse form's).
-    """
-    per_owner: list[list[BroadcastGroup]] = [[] for _ in range(plan.world_size)]
-    open_groups: list[list[tuple[str, int, int]]] = [[] for _ in range(plan.world_size)]
-    for spec, owner in zip(plan.factors, plan.owners, strict=True):
-        if owner == EVERY_RANK or spec.key not in available:
-            continue
-        members = open_groups[owner]
-        members.append((spec.key, spec.dim, wire_size(spec.dim)))
-        if sum(size for _, _, size in members) >= min_group_elements:
-            per_owner[owner].append(_close(owner, members))
-            open_groups[owner] = []
-    for owner, members in enumerate(open_groups):
-        if members:
-            per_owner[owner].append(_close(owner, members))
-    order: list[BroadcastGroup] = []
-    for position in range(max((len(groups) for groups in per_owner), default=0)):
-        order.extend(groups[position] for groups in per_owner if position < len(groups))
-    return order
-
-
-def _close(owner: int, members: list[tuple[str, int, int]]) -> BroadcastGroup:
-    keys, dims, sizes = zip(*members, strict=True)
-    return BroadcastGroup(owner, keys, dims, sizes)
 
 
 @dataclass(frozen=True)

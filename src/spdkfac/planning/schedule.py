@@ -32,18 +32,23 @@ waits for data that comes only after DDP's backward has waited for its gradients
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from spdkfac.costmodel import AlphaBetaModel
 
 __all__ = [
     "COMM_SCHEDULERS",
     "FACTORS",
+    "FIFO",
     "GRADIENTS",
+    "PRIORITY",
+    "SCHEDULER_POLICIES",
     "STREAMS",
     "CommSchedule",
     "ScheduledCall",
+    "SchedulerPolicy",
     "call_priority",
     "chunk_elements_for",
     "gradient_busy",
@@ -51,10 +56,34 @@ __all__ = [
     "plan_priority",
 ]
 
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    """Who orders a factor step's traffic (a strategy axis).
+
+    Attributes:
+        name: A value of :data:`COMM_SCHEDULERS`.
+        orders_traffic: One dispatcher on a group of its own issues DDP's gradient buckets
+            and the pipelined factor buckets in this module's order (``"priority"``);
+            otherwise each has a group of its own and its own order (``"fifo"``).
+    """
+
+    name: str
+    orders_traffic: bool
+
+
+#: Gradient and factor buckets on separate groups, each in its own order.
+FIFO = SchedulerPolicy("fifo", orders_traffic=False)
+#: One group, one order: gradients preempt factors chunk by chunk (PACE).
+PRIORITY = SchedulerPolicy("priority", orders_traffic=True)
+#: Scheduler policy by ``comm_scheduler`` value.
+SCHEDULER_POLICIES: Mapping[str, SchedulerPolicy] = MappingProxyType(
+    {policy.name: policy for policy in (FIFO, PRIORITY)}
+)
 #: The ``comm_scheduler`` option's values: ``"fifo"`` (gradient and factor buckets on
 #: separate process groups, each in its own order, contending for the link) and
 #: ``"priority"`` (one group, one order: this module's).
-COMM_SCHEDULERS: tuple[str, ...] = ("fifo", "priority")
+COMM_SCHEDULERS: tuple[str, ...] = tuple(SCHEDULER_POLICIES)
 
 GRADIENTS = "gradients"
 FACTORS = "factors"

@@ -5,7 +5,7 @@ policy plus an inverse placement), shared with the preconditioner and ``spdkfac 
 :func:`prepare` makes, for one workload, hardware and world size, exactly the plans a
 real ``KFACPreconditioner`` would: the inverse :class:`~spdkfac.planning.placement.Plan` from
 :func:`~spdkfac.planning.placement.plan_inversions`, the broadcast grouping of
-:func:`~spdkfac.engine.inversion.broadcast_groups` and the factor buckets of
+:func:`~spdkfac.planning.broadcasts.broadcast_groups` and the factor buckets of
 :mod:`spdkfac.planning.fusion`; the ``optimal`` policy plans from the hand-over times the
 compute-only timeline gives, as the real one plans from rank 0's measurements. DDP's
 gradient buckets follow the order gradients become final, with its 1 MiB first bucket.
@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from spdkfac.engine.inversion import BroadcastGroup, broadcast_groups
 from spdkfac.linalg import packed_size
+from spdkfac.planning.broadcasts import BroadcastGroup, broadcast_groups
 from spdkfac.planning.fusion import FusionInputs, FusionPlan, FusionPolicy
 from spdkfac.planning.placement import EVERY_RANK, FactorSpec, Plan, plan_inversions
 from spdkfac.planning.schedule import CommSchedule
@@ -264,7 +264,7 @@ def prepare(
         if strategy.owner_computes:
             owners = _layer_owners(plan)
         else:
-            minimum = cost_model.broadcast_group_elements() if strategy.fuse_broadcasts else 0
+            minimum = strategy.broadcasts.min_group_elements(cost_model)
             groups = tuple(broadcast_groups(plan, {spec.key: None for spec in specs}, minimum))
         busy, chunk = (
             scheduler.gradient_busy(costs, strategy, grad_buckets)
