@@ -95,14 +95,17 @@ def _worker(args: argparse.Namespace) -> None:
                 lr=0.01,
                 cost_model=cost_model,
             )
-            original = precond._update_inverses
+            phase = precond._stages.inverses  # a named strategy keeps its stages
+            original = phase.run
 
-            def timed(damping: float, original: Any = original, log: Any = inverse_seconds) -> None:
+            def timed(
+                blocks: Any, damping: float, original: Any = original, log: Any = inverse_seconds
+            ) -> None:
                 start = time.perf_counter()
-                original(damping)
+                original(blocks, damping)
                 log.append(time.perf_counter() - start)
 
-            precond._update_inverses = timed  # type: ignore[method-assign]
+            phase.run = timed  # type: ignore[method-assign]
         label = name if name == "sgd" else f"{name} {interval[0]}/{interval[1]}"
         iterations = args.iters if interval == (1, 1) else args.iters_stale
         variants.append(

@@ -27,7 +27,7 @@ def _train_step(model: nn.Module, precond: KFACPreconditioner, seed: int) -> Non
 
 
 def _pending(precond: KFACPreconditioner) -> list[object]:
-    pending = precond._collector._pending.values()
+    pending = precond._stages.collector._pending.values()
     return [p.total for p in pending if p.total is not None]
 
 

@@ -9,6 +9,8 @@ from typing import Any, get_args
 
 import torch
 
+from spdkfac.comm.pipeline import ExchangeSettings
+from spdkfac.curvature.collector import CollectorSettings
 from spdkfac.curvature.discovery import BlockSettings
 from spdkfac.forms import FORM_METHODS, FormMethod, InverseForm, inverse_form
 from spdkfac.layers import FactorOptions
@@ -290,6 +292,19 @@ class KFACConfig:
             norm_damping_multiplier=self.batchnorm_damping_multiplier,
             form=self.inverse_form,
             factor_dtype=self.factor_dtype,
+        )
+
+    @property
+    def collector_settings(self) -> CollectorSettings:
+        """What the factor collector and its exchange need from these options."""
+        return CollectorSettings(
+            accumulation_steps=self.accumulation_steps,
+            examples=self.factor_options.examples,
+            exchange=ExchangeSettings(
+                bucket_cap_bytes=int(self.bucket_cap_mb * 2**20),
+                warmup_steps=self.fusion_warmup_steps,
+                comm_dtype=self.factor_comm_dtype,
+            ),
         )
 
     @property

@@ -2,34 +2,34 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from spdkfac.comm import BucketLaunches, Communicator, make_communicator, release
+from spdkfac.comm import BucketLaunches, Communicator, make_communicator
 from spdkfac.config import (
     KFACConfig,
     constructor_signature,
     resolve_config,
 )
 from spdkfac.costmodel import CostModel
-from spdkfac.curvature import (
-    unwrap_model,
-)
 from spdkfac.engine.agreement import discover_agreed_blocks, shared_cost_model
-from spdkfac.engine.assembly import assemble, pipeline_group_for, routing_hook, scheduler_for
+from spdkfac.engine.assembly import Assembler, EngineParts, Stages
 from spdkfac.engine.autotune import AutoChoice, AutoTuner
-from spdkfac.engine.state import Snapshots
-from spdkfac.engine.update import GradientGuard, LearningRates, warn_uncaptured
+from spdkfac.engine.clip import LearningRates
+from spdkfac.engine.guard import GradientGuard, warn_uncaptured
+from spdkfac.engine.state import Counters, StateKeeper
+from spdkfac.layout import layout_of
 from spdkfac.planning.fusion import FusionPlan
 from spdkfac.planning.placement import Plan
 from spdkfac.planning.schedule import CommSchedule
 from spdkfac.profiling import Phase, Profiler, span_name
+from spdkfac.strategies import Strategy
 
 __all__ = ["KFACPreconditioner"]
 
@@ -59,7 +59,7 @@ def _check_runtime_arguments(
         )
 
 
-class KFACPreconditioner(Snapshots):
+class KFACPreconditioner:
     """K-FAC preconditioner of a model's layers, plain or data parallel.
 
     Call :meth:`step` after ``loss.backward()`` and before ``optimizer.step()``: it replaces
@@ -121,7 +121,8 @@ class KFACPreconditioner(Snapshots):
             if isinstance(process_group, Communicator)
             else make_communicator(process_group)
         )
-        self._model = unwrap_model(model)
+        layout = layout_of(model)
+        self._model = layout.module
         first = next(self._model.parameters(), None)
         self.profiler = Profiler(
             enabled=profile,
@@ -132,38 +133,27 @@ class KFACPreconditioner(Snapshots):
         self._rates = LearningRates(optimizer, self._blocks, self.config)
         self._guard = GradientGuard([block.module for block in self._blocks])
         self._warned_empty = False
-        self._stale_inverses = False  # a state dict without inverses was loaded
-        self._step = 0
-        self._skipped_steps = 0
-        costs = shared_cost_model(self._communicator, cost_model)
-        self._auto = AutoTuner.of(self.config, self._communicator)
-        self._scheduler = scheduler_for(self.config, self._communicator, costs)
-        pipeline_group = pipeline_group_for(self.config, self._communicator)
-        scheduler_group = None if self._scheduler is None else self._scheduler.group
-        self._groups = [g for g in (scheduler_group, pipeline_group) if g is not None]
-        self._hooks = routing_hook(model, self.config, self._scheduler)
-        self._assemble = functools.partial(
-            assemble,
-            model=model,
-            blocks=self._blocks,
-            communicator=self._communicator,
-            costs=costs,
-            enabled=lambda: self.config.is_factor_step(self._step),
+        self._counters = Counters()
+        self._state = StateKeeper(self._blocks, self._communicator)
+        parts = EngineParts(
+            self._blocks,
+            self._communicator,
+            layout,
+            shared_cost_model(self._communicator, cost_model),
+            self.profiler,
+            enabled=lambda: self.config.is_factor_step(self._counters.step),
             grad_scale=None if grad_scaler is None else lambda: float(grad_scaler.get_scale()),
-            profiler=self.profiler,
-            hooks=self._hooks,
-            scheduler=self._scheduler,
-            pipeline_group=pipeline_group,
         )
-        start = self._auto.current if self._auto else self.config.composition
-        self._use(self._assemble(start, config=self.config))
+        self._auto = AutoTuner.of(self.config, self._communicator)
+        self._assembler = Assembler(parts, self.config)
+        self._stages: Stages = self._assembler.build(self.config.composition, self.config)
 
     # ------------------------------------------------------------------ introspection
     @property
     def layers(self) -> list[str]:
         """Kronecker-factored module names in forward order (definition order until seen)."""
-        seen = self._seen_layers()
-        return seen + [name for name in self._section("layers") if name not in seen]
+        seen = self._state.seen_layers(self._stages)
+        return seen + [name for name in self._state.kronecker() if name not in seen]
 
     @property
     def strategy_choice(self) -> AutoChoice | None:
@@ -179,22 +169,22 @@ class KFACPreconditioner(Snapshots):
     @property
     def plan(self) -> Plan:
         """Where each factor is inverted (see :mod:`spdkfac.planning.placement`)."""
-        return self._inverses.plan
+        return self._stages.inverses.plan
 
     @property
     def comm_schedule(self) -> CommSchedule | None:
         """The order ``comm_scheduler="priority"`` issues a factor step's gradient and
         factor chunks in (None before it is planned, or without a scheduler)."""
-        return None if self._scheduler is None else self._scheduler.schedule
+        scheduler = self._assembler.scheduler
+        return None if scheduler is None else scheduler.schedule
 
     @property
     def gradient_launches(self) -> BucketLaunches | None:
         """Launch times of DDP's gradient buckets when the preconditioner owns their
         communication (``strategy="osawa"``, or ``"auto"`` trying it, under DDP), for
         profiling; else None."""
-        if self._hooks is not None:
-            return self._hooks.launches
-        return getattr(self._update, "launches", None)
+        hooks = self._assembler.hooks
+        return hooks.launches if hooks is not None else self._stages.final.launches
 
     @property
     def communicator(self) -> Communicator:
@@ -204,21 +194,21 @@ class KFACPreconditioner(Snapshots):
     @property
     def steps(self) -> int:
         """Number of completed :meth:`step` calls (including skipped ones)."""
-        return self._step
+        return self._counters.step
 
     @property
     def skipped_steps(self) -> int:
         """Number of :meth:`step` calls that skipped the update on non-finite values."""
-        return self._skipped_steps
+        return self._counters.skipped
 
     def factors(self, name: str) -> tuple[Tensor | None, Tensor | None]:
         """The running-average (A, G) of a registered layer (None before the first update)."""
-        a_factor, g_factor = self._section("layers")[name].factors()
+        a_factor, g_factor = self._state.kronecker()[name].factors()
         return a_factor, g_factor
 
     def inverses(self, name: str) -> tuple[Tensor | None, Tensor | None]:
         """The damped inverses (Â, Ĝ) of a registered layer (None before the first one)."""
-        a_inverse, g_inverse = self._section("layers")[name].inverses()
+        a_inverse, g_inverse = self._state.kronecker()[name].inverses()
         return a_inverse, g_inverse
 
     @property
@@ -226,12 +216,12 @@ class KFACPreconditioner(Snapshots):
         """Normalization layers given curvature (BatchNorm, GroupNorm, LayerNorm, RMSNorm;
         empty unless ``normalization`` or ``batchnorm`` is set). The name predates the
         other normalization layers."""
-        return list(self._section("batchnorm"))
+        return list(self._state.normalization())
 
     def batchnorm_blocks(self, name: str) -> tuple[Tensor | None, Tensor | None]:
         """A normalization layer's running-average ``[P, 3]`` blocks ``(F_γγ, F_γβ, F_ββ)``
         and their damped inverses (None before the first update)."""
-        block = self._section("batchnorm").get(name)
+        block = self._state.normalization().get(name)
         if block is None:
             raise KeyError(f"{name!r} is not a normalization layer with curvature")
         return block.factors()[0], block.inverses()[0]
@@ -239,14 +229,14 @@ class KFACPreconditioner(Snapshots):
     @property
     def fusion_plan(self) -> FusionPlan | None:
         """The factor buckets in use (None with a single rank: nothing is exchanged)."""
-        return self._collector.fusion_plan
+        return self._stages.collector.fusion_plan
 
     def replan_fusion(self) -> None:
         """Re-plan the ``optimal`` fusion from fresh measurements after the next factor step.
 
         Call it on every rank at the same step (it leads to a collective).
         """
-        self._collector.request_replan()
+        self._stages.collector.request_replan()
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -269,26 +259,27 @@ class KFACPreconditioner(Snapshots):
                 "are already preconditioned (call step() once per optimizer step)"
             )
         with self.profiler.span(span_name(Phase.STEP)):
-            step = self._step
-            self._step += 1
+            step = self._counters.step
+            self._counters.step += 1
             applied = self._precondition(step)
         if self._auto is not None and not self._auto.decided:
             self._tune(step)
         return applied
 
     def _precondition(self, step: int) -> bool:
-        self._collector.new_step()
-        gradients, usable = self._update.collect()
+        stages = self._stages
+        stages.collector.new_step()
+        gradients, usable = stages.final.collect()
         if self.config.is_factor_step(step):
             usable = self._update_factors(local_ok=usable) and usable
         else:
-            usable = self._update.agree(usable)
-        if self.config.is_inverse_step(step) or self._stale_inverses:
-            self._stale_inverses = False
-            self._inverses.run(self._blocks, self.config.damping_at(step))
+            usable = stages.final.agree(usable)
+        if self.config.is_inverse_step(step) or self._counters.stale_inverses:
+            self._counters.stale_inverses = False
+            stages.inverses.run(self._blocks, self.config.damping_at(step))
         kl_clip = self.config.kl_clip_at(step)
         rates = self._rates.at(self.config, step)
-        if not self._update.apply(gradients, rates, kl_clip, usable):
+        if not stages.final.apply(gradients, rates, kl_clip, usable):
             return self._skip()
         self._guard.record()
         return True
@@ -304,14 +295,15 @@ class KFACPreconditioner(Snapshots):
             else "factor"
             if self.config.is_factor_step(step)
             else "plain",
-            settled=self._collector.fusion_settled,
+            settled=self._stages.collector.fusion_settled,
             factor_interval=factor_interval,
             inverse_interval=inverse_interval,
         )
         if following is not None and following.name != self.composition:
             self._switch(following)
         if self._auto.wants_probe(inverse_interval):
-            self._auto.probe(lambda: self._discarded_inverse_phase(self.config.damping_at(step)))
+            damping = self.config.damping_at(step)
+            self._auto.probe(lambda: self._state.discarded_inverse_phase(self._stages, damping))
         if self._auto.choice is not None and self._communicator.rank == 0:
             _LOG.info("%s", self._auto.choice.describe())
         self._auto.started()
@@ -322,21 +314,72 @@ class KFACPreconditioner(Snapshots):
         Returns:
             False when some rank saw non-finite values; then no factor changes anywhere.
         """
-        new = self._collector.exchange(local_ok=local_ok)
+        new = self._stages.collector.exchange(local_ok=local_ok)
         if new is None:
             return False
-        decay = self.config.factor_decay_at(self._step - 1)
+        decay = self.config.factor_decay_at(self._counters.step - 1)
         with self.profiler.span(span_name(Phase.FACTOR_COMPUTE, "running_average")):
             for block in self._blocks:
                 block.absorb(new, decay)
         if not self._warned_empty:
             self._warned_empty = True
-            warn_uncaptured(self._update.held())
+            warn_uncaptured(self._stages.final.held())
         return True
 
     def _skip(self) -> bool:
-        self._skipped_steps += 1
+        self._counters.skipped += 1
         return False
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, *, inverses: bool = True) -> dict[str, Any]:
+        """Factors, inverses and counters, as a dict of copies (safe to ``torch.save``).
+
+        The state dict holds every layer's factors and inverses, so any rank's resumes any
+        world size. With ``strategy="osawa"`` only a layer's owner holds them: then
+        ``state_dict()`` gathers them from the owners and must be called on every rank
+        (a collective). ``inverses=False`` leaves the inverses out (about half the
+        size): loading it recomputes them, with the current damping, at the next step.
+        With ``strategy="auto"`` it records the choice and the world size it was made for.
+        """
+        choice = None if self._auto is None else self._auto.choice
+        chosen = None if choice is None else choice.chosen
+        return self._state.save(
+            self._stages, self._counters, self.config, chosen=chosen, inverses=inverses
+        )
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; the layers must match exactly.
+
+        With ``strategy="auto"``, a choice saved at the same world size is kept (no new
+        trials); after a world-size change the trials run again.
+
+        Raises:
+            ValueError: When the format, the registered layers or a factor shape differ.
+        """
+        state_dict = self._state.checked(state_dict, self.config)
+        saved = state_dict.get("auto")
+        if self._auto is not None and saved is not None:
+            if saved["world_size"] == self._communicator.world_size:
+                self._auto.adopt(saved["chosen"], int(state_dict["steps"]))
+            if self._auto.current.name != self.composition:
+                self._rebuild(self._auto.current)
+        self._state.load(state_dict, self._stages, self._counters, self.config)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of the factors and of the inverses this rank holds (live tensors)."""
+        return self._state.memory_bytes()
+
+    def _rebuild(self, composition: Strategy) -> None:
+        """Use ``composition``'s stages from the next step on (no collective)."""
+        self._stages.collector.remove()
+        self._stages = self._assembler.build(composition, self.config)
+
+    def _switch(self, composition: Strategy) -> None:
+        """Move to ``composition``'s stages, keeping every factor and inverse (collective:
+        an owner-computes composition gathers its owners' state)."""
+        state = self.state_dict()
+        self._rebuild(composition)
+        self.load_state_dict(state)
 
     # ------------------------------------------------------------------ options
     def update_config(self, **options: Any) -> None:
@@ -377,18 +420,12 @@ class KFACPreconditioner(Snapshots):
         """Remove every hook this preconditioner installed and release the process groups
         it created (call it on every rank, after its last step); the model is left as it
         was, and under DDP its gradients are all-reduced by DDP's own hook again."""
-        self._collector.remove()
-        if self._hooks is not None:
-            self._hooks.plain()
-        if self._scheduler is not None:
-            self._scheduler.close()
-        for group in self._groups:
-            release(group)
-        self._groups = []
+        self._stages.collector.remove()
+        self._assembler.close()
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(layers={len(self._blocks)}, steps={self._step}, "
+            f"{type(self).__name__}(layers={len(self._blocks)}, steps={self._counters.step}, "
             f"world_size={self._communicator.world_size}, config={self.config})"
         )
 

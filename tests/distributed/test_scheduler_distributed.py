@@ -91,7 +91,7 @@ def _train(
                 labels = targets[part] % 2 if branchy else targets[part]
                 loss = F.cross_entropy(output, labels)
                 (loss / len(parts)).backward()
-        sched = precond._scheduler
+        sched = precond._assembler.scheduler
         if sched is not None and sched.schedule is not None and sched._window is not None:
             planned += sched._window.schedule is not None
         assert precond.step()

@@ -120,7 +120,7 @@ def test_one_rank_decides_at_once_and_a_discarded_inverse_phase_changes_nothing(
         F.cross_entropy(model(inputs), torch.arange(8) % 3).backward()
         precond.step()
     before = {name: precond.inverses(name) for name in precond.layers}
-    precond._discarded_inverse_phase(0.7)  # what auto's probe runs
+    precond._state.discarded_inverse_phase(precond._stages, 0.7)  # what auto's probe runs
     for name, (a, g) in before.items():
         after_a, after_g = precond.inverses(name)
         assert after_a is a and after_g is g

@@ -11,7 +11,7 @@ import torch
 from merge_cases import PolicySpy, all_splits, random_stream
 from schedule_cases import ONE_MS
 from spdkfac.comm import LocalCommunicator
-from spdkfac.comm.pipeline import FactorPipeline
+from spdkfac.comm.pipeline import ExchangeSettings, FactorPipeline, FactorRoute
 from spdkfac.comm.scheduler import CommScheduler
 from spdkfac.costmodel import AlphaBetaModel
 from spdkfac.planning.fusion import ThresholdFusion
@@ -82,8 +82,9 @@ def test_pipeline_plans_around_the_recorded_gradient_calls() -> None:
     scheduler = CommScheduler(group, model, recorded_windows=2)
     gradients = scheduler.stream(GRADIENTS, group)
     spy = PolicySpy(ThresholdFusion())
+    route = FactorRoute(spy, group, model, scheduler=scheduler)
     pipeline = FactorPipeline(
-        group, [("a", 2)], [("g", 2)], spy, allreduce=model, warmup_steps=2, scheduler=scheduler
+        route, [("a", 2)], [("g", 2)], settings=ExchangeSettings(warmup_steps=2)
     )
     for _ in range(2):
         pipeline.hand_over("a", torch.eye(2), 1.0)

@@ -16,7 +16,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -29,53 +29,78 @@ from spdkfac.linalg import packed_size
 from spdkfac.planning.fusion import FusionInputs, FusionPlan, FusionPolicy
 from spdkfac.profiling import Phase, Profiler, span_name
 
-__all__ = ["FactorPipeline", "LocalFactorExchange"]
+__all__ = ["ExchangeSettings", "FactorPipeline", "FactorRoute", "LocalFactorExchange"]
 
 _KEPT_STEPS = 10
 
 
+@dataclass(frozen=True)
+class FactorRoute:
+    """What a composition decides about the factor exchange: its fusion policy, the group
+    buckets travel on, to whom, and who orders them.
+
+    Attributes:
+        fusion: The fusion policy (:data:`~spdkfac.planning.fusion.FUSION_POLICIES`).
+        group: The group factors are averaged over (a pipelined policy's own duplicate,
+            or a scheduler's factor stream).
+        allreduce: All-reduce cost model a measured policy such as ``optimal`` plans with.
+        owners: Owner rank per slot (reduce-scatter to owners; None: all-reduce).
+        scheduler: The communication scheduler ``group`` hands its calls to
+            (``comm_scheduler="priority"``; None: none).
+    """
+
+    fusion: FusionPolicy
+    group: Communicator
+    allreduce: AlphaBetaModel
+    owners: Mapping[str, int] | None = None
+    scheduler: CommScheduler | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExchangeSettings:
+    """The options of a factor exchange, the same for every composition.
+
+    Attributes:
+        bucket_cap_bytes: Bucket cap of ``threshold`` and ``after-backward``.
+        warmup_steps: Factor steps measured before a measured plan is made.
+        comm_dtype: Dtype factors travel in (None: the reduced factors' dtype).
+    """
+
+    bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
+    warmup_steps: int = 5
+    comm_dtype: torch.dtype | None = None
+
+
 class FactorPipeline:
-    """Factor slots of every registered layer, exchanged as the policy says.
+    """Factor slots of every registered layer, exchanged as the route's policy says.
 
     Args:
-        communicator: The group factors are averaged over.
+        route: The fusion policy, group, owners and scheduler.
         forward_slots: ``(key, dim)`` of the slots produced in the forward pass (A
             factors), in forward (registration) order.
         backward_slots: Likewise for the backward pass (G factors), in backward order.
-        policy: The fusion policy (:data:`~spdkfac.planning.fusion.FUSION_POLICIES`).
-        allreduce: All-reduce cost model the ``optimal`` policy plans with.
-        bucket_cap_bytes: Bucket cap of ``threshold`` and ``after-backward``.
-        warmup_steps: Factor steps measured before the ``optimal`` plan is made.
+        settings: Bucket cap, warm-up steps and wire dtype.
         dtype: Dtype of the reduced factors.
-        comm_dtype: Dtype factors travel in (None: ``dtype``).
-        owners: Owner rank per slot (reduce-scatter to owners; None: all-reduce).
-        scheduler: The communication scheduler ``communicator`` hands its calls to
-            (``comm_scheduler="priority"``; None: none).
         profiler: Where waits are recorded.
     """
 
     def __init__(
         self,
-        communicator: Communicator,
+        route: FactorRoute,
         forward_slots: Sequence[tuple[str, int]],
         backward_slots: Sequence[tuple[str, int]],
-        policy: FusionPolicy,
         *,
-        allreduce: AlphaBetaModel,
-        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
-        warmup_steps: int = 5,
+        settings: ExchangeSettings = ExchangeSettings(),
         dtype: torch.dtype = torch.float32,
-        comm_dtype: torch.dtype | None = None,
-        owners: Mapping[str, int] | None = None,
-        scheduler: CommScheduler | None = None,
         profiler: Profiler | None = None,
     ) -> None:
-        self._communicator = communicator
-        self._scheduler = scheduler
+        self._communicator = communicator = route.group
+        self._scheduler = scheduler = route.scheduler
         self._warned_late = False
-        self._policy = policy
-        self._warmup_steps = warmup_steps
+        self._policy = policy = route.fusion
+        self._warmup_steps = settings.warmup_steps
         self._profiler = profiler or Profiler()
+        comm_dtype = settings.comm_dtype
         self._element_bytes = torch.empty((), dtype=comm_dtype or dtype).element_size()
         self._a_keys = [key for key, _ in forward_slots]
         self._g_keys = [key for key, _ in backward_slots]
@@ -84,8 +109,8 @@ class FactorPipeline:
             a_order=tuple(self._a_keys),
             g_order=tuple(self._g_keys),
             sizes={key: packed_size(dim) for key, dim in dims.items()},
-            bucket_cap_elements=max(1, bucket_cap_bytes // self._element_bytes),
-            allreduce=allreduce,
+            bucket_cap_elements=max(1, settings.bucket_cap_bytes // self._element_bytes),
+            allreduce=route.allreduce,
             bytes_per_element=self._element_bytes,
         )
         self._exchange = FactorExchange(
@@ -94,7 +119,7 @@ class FactorPipeline:
             policy.plan(self._inputs),
             dtype=dtype,
             comm_dtype=comm_dtype,
-            owners=owners,
+            owners=route.owners,
         )
         if scheduler is not None:
             scheduler.reset()

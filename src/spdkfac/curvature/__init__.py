@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from spdkfac.curvature.block import Contribution, CurvatureBlock, Slot
 from spdkfac.curvature.capture import ActivationCapture
-from spdkfac.curvature.collector import FactorCollector
+from spdkfac.curvature.collector import CollectorSettings, FactorCollector
 from spdkfac.curvature.discovery import (
     BLOCK_RULES,
     BlockSettings,
@@ -30,6 +30,7 @@ __all__ = [
     "BLOCK_RULES",
     "ActivationCapture",
     "BlockSettings",
+    "CollectorSettings",
     "Contribution",
     "CurvatureBlock",
     "DiagonalKroneckerBlock",

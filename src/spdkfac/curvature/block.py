@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from spdkfac.forms import DampedInverse, InverseForm
-from spdkfac.layers import KFACLayer
+from spdkfac.layers import LOCAL_GRADIENTS, GradientAccess, KFACLayer
 from spdkfac.linalg import packed_dim, unpack_triu
 from spdkfac.planning.placement import FactorSpec
 
@@ -121,16 +121,18 @@ class CurvatureBlock(Protocol):
         """Take the placed inverses (by key) and compute any local ones with ``damping``."""
         ...
 
-    def gradient(self) -> Tensor | None:
-        """The gradient as the matrix :meth:`precondition` takes, or None without one."""
+    def gradient(self, access: GradientAccess = LOCAL_GRADIENTS) -> Tensor | None:
+        """The gradient as the matrix :meth:`precondition` takes, or None without one
+        (read through ``access``: the parameter layout's)."""
         ...
 
     def precondition(self, gradient: Tensor) -> Tensor:
         """The preconditioned gradient (the plain one while there is no inverse)."""
         ...
 
-    def set_gradient(self, matrix: Tensor) -> None:
-        """Write a preconditioned matrix back into the parameters' ``.grad``."""
+    def set_gradient(self, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS) -> None:
+        """Write a preconditioned matrix back as the parameters' gradients (through
+        ``access``)."""
         ...
 
     def factors(self) -> tuple[Tensor | None, ...]:

@@ -11,7 +11,8 @@ exchange that completes at once, so there is one code path whatever the world si
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -19,18 +20,20 @@ from torch.autograd import Variable
 
 from spdkfac.comm import Communicator
 from spdkfac.comm.dense import reduce_dense
-from spdkfac.comm.pipeline import FactorPipeline, LocalFactorExchange
-from spdkfac.comm.scheduler import CommScheduler
-from spdkfac.costmodel import AlphaBetaModel
-from spdkfac.curvature.block import Contribution, CurvatureBlock, Slot
+from spdkfac.comm.pipeline import (
+    ExchangeSettings,
+    FactorPipeline,
+    FactorRoute,
+    LocalFactorExchange,
+)
+from spdkfac.curvature.block import Contribution, CurvatureBlock
 from spdkfac.curvature.capture import ActivationCapture
 from spdkfac.curvature.state import FactorAccumulator
 from spdkfac.linalg import is_finite
-from spdkfac.planning.fusion import FusionPlan, FusionPolicy
-from spdkfac.planning.schedule import FACTORS
+from spdkfac.planning.fusion import FusionPlan
 from spdkfac.profiling import Phase, Profiler, span_name
 
-__all__ = ["FactorCollector"]
+__all__ = ["CollectorSettings", "FactorCollector"]
 
 
 def _no_autocast(tensor: Tensor) -> torch.autocast:
@@ -39,31 +42,37 @@ def _no_autocast(tensor: Tensor) -> torch.autocast:
     return torch.autocast(device_type=tensor.device.type, enabled=False)
 
 
+@dataclass(frozen=True, kw_only=True)
+class CollectorSettings:
+    """The options of a factor collector, the same for every composition.
+
+    Attributes:
+        accumulation_steps: Passes per step; slots are exchanged after the last.
+        examples: Statistics from the first this many examples of each captured call
+            (:attr:`~spdkfac.layers.FactorOptions.examples`; None: all).
+        exchange: Bucket cap, fusion warm-up and wire dtype of the factor exchange.
+    """
+
+    accumulation_steps: int = 1
+    examples: int | None = None
+    exchange: ExchangeSettings = field(default_factory=ExchangeSettings)
+
+
 class FactorCollector:
     """Hooks, per-step accumulators and the factor exchange of a set of blocks.
 
     Args:
         blocks: The curvature blocks, in a fixed order (the same on every rank).
         communicator: The group statistics are averaged over.
-        fusion: When symmetric slots are all-reduced (used with more than one rank).
+        route: Where and how symmetric slots are exchanged (used with more than one
+            rank). A pipelined fusion launches buckets from hooks, so its group is one of
+            its own (a duplicate of ``communicator``) that never interleaves with DDP's
+            gradient all-reduces on the default group; the assembler creates it once,
+            since creating a group is a collective and a preconditioner may assemble
+            several collectors.
+        settings: Accumulation, example subsampling and the exchange's options.
         enabled: Called once per forward: whether this step's passes are captured.
-        allreduce: All-reduce cost model a measured fusion policy plans with.
-        accumulation_steps: Passes per step; slots are exchanged after the last.
-        bucket_cap_bytes: Bucket cap of threshold-style fusion.
-        fusion_warmup_steps: Factor steps measured before a measured fusion plans.
-        comm_dtype: Dtype symmetric slots travel in (None: their own).
-        owners: Owner rank per symmetric slot key: its global factor is reduce-scattered
-            to the owner only (None: all-reduced to every rank).
         grad_scale: Returns the loss scale of a ``GradScaler`` (None without one).
-        examples: Statistics from the first this many examples of each captured call
-            (:attr:`~spdkfac.layers.FactorOptions.examples`; None: all).
-        scheduler: Orders a pipelined exchange's buckets with DDP's gradient buckets
-            (``comm_scheduler="priority"``; None: the exchange has a group of its own).
-        exchange_group: The group the exchange runs on (None: ``communicator``). A
-            pipelined fusion launches buckets from hooks, so it needs a group of its own
-            (a duplicate of ``communicator``) that never interleaves with DDP's gradient
-            all-reduces on the default group; the caller creates it once, since creating
-            a group is a collective and a preconditioner may assemble several collectors.
         profiler: Where spans are recorded.
     """
 
@@ -71,26 +80,17 @@ class FactorCollector:
         self,
         blocks: Sequence[CurvatureBlock],
         communicator: Communicator,
-        fusion: FusionPolicy,
+        route: FactorRoute,
         *,
+        settings: CollectorSettings,
         enabled: Callable[[], bool],
-        allreduce: AlphaBetaModel,
-        accumulation_steps: int = 1,
-        bucket_cap_bytes: int,
-        fusion_warmup_steps: int,
-        comm_dtype: torch.dtype | None = None,
-        owners: Mapping[str, int] | None = None,
         grad_scale: Callable[[], float] | None = None,
-        examples: int | None = None,
-        scheduler: CommScheduler | None = None,
-        exchange_group: Communicator | None = None,
         profiler: Profiler,
     ) -> None:
         self._blocks = {block.name: block for block in blocks}
-        self._examples = examples
-        self._scheduler = scheduler
+        self._examples = settings.examples
         self._communicator = communicator
-        self._accumulation_steps = accumulation_steps
+        self._accumulation_steps = settings.accumulation_steps
         self._grad_scale = grad_scale
         self._scale: float | None = None
         self._profiler = profiler
@@ -111,54 +111,24 @@ class FactorCollector:
         wide = any(block.dtype == torch.float64 for block in blocks)
         self._dtype = torch.float64 if wide else torch.float32
         self._dense = [(slot.key, slot.shape) for slot in slots if not slot.symmetric]
-        self._exchange = self._make_exchange(
-            [slot for slot in slots if slot.symmetric],
-            fusion,
-            communicator if exchange_group is None else exchange_group,
-            allreduce=allreduce,
-            bucket_cap_bytes=bucket_cap_bytes,
-            warmup_steps=fusion_warmup_steps,
-            comm_dtype=comm_dtype,
-            owners=owners,
+        symmetric = [slot for slot in slots if slot.symmetric]
+        self._exchange: FactorPipeline | LocalFactorExchange = (
+            LocalFactorExchange()
+            if communicator.world_size == 1
+            else FactorPipeline(
+                route,
+                [(slot.key, slot.shape[0]) for slot in symmetric if slot.forward],
+                [(slot.key, slot.shape[0]) for slot in reversed(symmetric) if not slot.forward],
+                settings=settings.exchange,
+                dtype=self._dtype,
+                profiler=profiler,
+            )
         )
         self._capture = ActivationCapture(
             {block.name: block.module for block in blocks},
             on_input=self._on_input,
             on_grad_output=self._on_grad_output,
             enabled=enabled,
-        )
-
-    def _make_exchange(
-        self,
-        symmetric: Sequence[Slot],
-        fusion: FusionPolicy,
-        group: Communicator,
-        *,
-        allreduce: AlphaBetaModel,
-        bucket_cap_bytes: int,
-        warmup_steps: int,
-        comm_dtype: torch.dtype | None,
-        owners: Mapping[str, int] | None,
-    ) -> FactorPipeline | LocalFactorExchange:
-        if self._communicator.world_size == 1:
-            return LocalFactorExchange()
-        # With a scheduler, it orders hook-launched buckets and DDP's on its own group.
-        scheduler = self._scheduler if fusion.eager else None
-        if scheduler is not None:
-            group = scheduler.stream(FACTORS, group)
-        return FactorPipeline(
-            group,
-            [(slot.key, slot.shape[0]) for slot in symmetric if slot.forward],
-            [(slot.key, slot.shape[0]) for slot in reversed(symmetric) if not slot.forward],
-            fusion,
-            allreduce=allreduce,
-            bucket_cap_bytes=bucket_cap_bytes,
-            warmup_steps=warmup_steps,
-            dtype=self._dtype,
-            comm_dtype=comm_dtype,
-            owners=owners,
-            scheduler=scheduler,
-            profiler=self._profiler,
         )
 
     @property

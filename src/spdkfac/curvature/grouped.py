@@ -27,6 +27,7 @@ from spdkfac.curvature.block import (
     Slot,
 )
 from spdkfac.curvature.state import running_average
+from spdkfac.layers import LOCAL_GRADIENTS, GradientAccess
 from spdkfac.linalg import InversionError
 
 __all__ = ["GroupedConvBlock"]
@@ -109,8 +110,8 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
         self.a_inverse, self.g_inverse, self.damping = a_inverse, g_inverse, damping
 
     # ------------------------------------------------------------------ preconditioning
-    def gradient(self) -> Tensor | None:
-        return self.adapter.gradient(self.module)
+    def gradient(self, access: GradientAccess = LOCAL_GRADIENTS) -> Tensor | None:
+        return self.adapter.gradient(self.module, access)
 
     def precondition(self, gradient: Tensor) -> Tensor:
         if self.a_inverse is None or self.g_inverse is None:
@@ -119,8 +120,8 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
         result = self.form.kronecker(per_group, self.a_inverse, self.g_inverse, self.damping)
         return result.reshape(gradient.shape)
 
-    def set_gradient(self, matrix: Tensor) -> None:
-        self.adapter.set_gradient(self.module, matrix)
+    def set_gradient(self, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS) -> None:
+        self.adapter.set_gradient(self.module, matrix, access)
 
     # ------------------------------------------------------------------ state
     def state_shapes(self) -> dict[str, tuple[int, ...]]:

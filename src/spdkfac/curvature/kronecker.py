@@ -13,6 +13,7 @@ from spdkfac.curvature.block import (
     Slot,
 )
 from spdkfac.curvature.state import running_average, symmetric_running_average
+from spdkfac.layers import LOCAL_GRADIENTS, GradientAccess
 from spdkfac.planning.placement import FactorSpec
 
 __all__ = ["DiagonalKroneckerBlock", "KroneckerBlock"]
@@ -115,16 +116,16 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
         self.damping = damping
 
     # ------------------------------------------------------------------ preconditioning
-    def gradient(self) -> Tensor | None:
-        return self.adapter.gradient(self.module)
+    def gradient(self, access: GradientAccess = LOCAL_GRADIENTS) -> Tensor | None:
+        return self.adapter.gradient(self.module, access)
 
     def precondition(self, gradient: Tensor) -> Tensor:
         if self.a_inverse is None or self.g_inverse is None:
             return gradient
         return self.form.kronecker(gradient, self.a_inverse, self.g_inverse, self.damping)
 
-    def set_gradient(self, matrix: Tensor) -> None:
-        self.adapter.set_gradient(self.module, matrix)
+    def set_gradient(self, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS) -> None:
+        self.adapter.set_gradient(self.module, matrix, access)
 
     # ------------------------------------------------------------------ state
     def state_shapes(self) -> dict[str, tuple[int, ...]]:

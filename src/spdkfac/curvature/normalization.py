@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from spdkfac.curvature.block import Contribution, LocalInverses, ModuleBlock, Slot
 from spdkfac.curvature.state import running_average
+from spdkfac.layers import LOCAL_GRADIENTS, GradientAccess
 from spdkfac.layers.batchnorm import precondition_units, unit_inverses
 from spdkfac.layers.normalization import (
     NormKind,
@@ -114,16 +115,16 @@ class NormalizationBlock(LocalInverses, ModuleBlock):
             self.inverse = inverse
 
     # ------------------------------------------------------------------ preconditioning
-    def gradient(self) -> Tensor | None:
-        return norm_gradient(self.module)
+    def gradient(self, access: GradientAccess = LOCAL_GRADIENTS) -> Tensor | None:
+        return norm_gradient(self.module, access)
 
     def precondition(self, gradient: Tensor) -> Tensor:
         if self.inverse is None:
             return gradient.clone()
         return precondition_units(gradient, self.inverse)
 
-    def set_gradient(self, matrix: Tensor) -> None:
-        write_norm_gradient(self.module, matrix)
+    def set_gradient(self, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS) -> None:
+        write_norm_gradient(self.module, matrix, access)
 
     # ------------------------------------------------------------------ state
     def factors(self) -> tuple[Tensor | None]:

@@ -1,29 +1,38 @@
-"""The stages of a preconditioner that depend on its composition (a strategy row): the
-factor collector (fusion policy), the inverse phase (placement) and the last stage
-(replicated or owner-computes). ``strategy="auto"`` assembles them again for each
-candidate it tries."""
+"""The assembler: built once per preconditioner, it holds what every composition shares
+(the process groups, the gradient-routing hook, the communication scheduler) and builds a
+composition's stages — the factor collector, the inverse phase and the final stage —
+from its axis objects. ``strategy="auto"`` builds the stages again for each candidate."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
-from torch import nn
-
-from spdkfac.comm import Communicator
+from spdkfac.comm import Communicator, release
 from spdkfac.comm.ddp_hooks import SwitchableHook
+from spdkfac.comm.pipeline import FactorRoute
 from spdkfac.comm.scheduler import CommScheduler
 from spdkfac.config import KFACConfig
 from spdkfac.costmodel import CostModel
 from spdkfac.curvature import CurvatureBlock, FactorCollector
-from spdkfac.engine.inversion import InversePhase
-from spdkfac.engine.owners import OwnerUpdate, find_ddp, register_ddp_hook
-from spdkfac.engine.update import ReplicatedUpdate
-from spdkfac.planning.schedule import GRADIENTS
+from spdkfac.engine.final import FinalStage, StageInputs
+from spdkfac.engine.inversion import InversePhase, ResultDelivery
+from spdkfac.engine.owners import OwnerStage
+from spdkfac.engine.replicated import ReplicatedStage
+from spdkfac.layout import ParameterLayout
+from spdkfac.planning.final import OWNER_COMPUTES, REPLICATED, FinalPolicy
+from spdkfac.planning.placement import Plan
+from spdkfac.planning.schedule import FACTORS, GRADIENTS
 from spdkfac.profiling import Profiler
 from spdkfac.strategies import Strategy
 
-__all__ = ["Stages", "assemble", "pipeline_group_for", "routing_hook", "scheduler_for"]
+__all__ = ["FINAL_STAGES", "Assembler", "EngineParts", "Stages"]
+
+#: The final stage each final-stage policy builds.
+FINAL_STAGES: Mapping[FinalPolicy, Callable[[StageInputs], FinalStage]] = MappingProxyType(
+    {REPLICATED: ReplicatedStage, OWNER_COMPUTES: OwnerStage}
+)
 
 
 @dataclass(frozen=True)
@@ -31,140 +40,149 @@ class Stages:
     """The composition-dependent stages of one preconditioner."""
 
     composition: Strategy
-    update: ReplicatedUpdate | OwnerUpdate
+    final: FinalStage
     inverses: InversePhase
     collector: FactorCollector
 
 
-def assemble(
-    composition: Strategy,
-    *,
-    model: nn.Module,
-    blocks: Sequence[CurvatureBlock],
-    communicator: Communicator,
-    config: KFACConfig,
-    costs: CostModel,
-    enabled: Callable[[], bool],
-    grad_scale: Callable[[], float] | None,
-    profiler: Profiler,
-    hooks: SwitchableHook | None = None,
-    scheduler: CommScheduler | None = None,
-    pipeline_group: Communicator | None = None,
-) -> Stages:
-    """Plan the placement and build the stages of ``composition`` (no collective: the
-    process groups it may need are created once, by :func:`scheduler_for` and
-    :func:`pipeline_group_for`).
+@dataclass(frozen=True)
+class EngineParts:
+    """What every stage of a preconditioner is built from, whatever the composition.
 
-    Args:
-        composition: The strategy row.
-        model: The model as the user passed it (a DDP wrapper may get a hook).
+    Attributes:
         blocks: The curvature blocks, in the same order on every rank.
         communicator: The group.
-        config: The options.
+        layout: Where parameters and gradients live.
         costs: The cost model the placement and the fusion plan with.
+        profiler: Where spans are recorded.
         enabled: Whether this step's passes are captured.
         grad_scale: The loss scale of a ``GradScaler`` (None without one).
-        profiler: Where spans are recorded.
-        hooks: The DDP hook registered once by :func:`routing_hook` (None otherwise).
-        scheduler: The communication scheduler (``comm_scheduler="priority"``; None).
-        pipeline_group: The group a pipelined fusion's buckets travel on (required then,
-            with several ranks).
     """
-    assert composition.fusion is not None and composition.placement_policy is not None
-    if composition.fusion.eager and communicator.world_size > 1:
-        assert pipeline_group is not None, "a pipelined fusion needs pipeline_group_for()"
-        exchange_group = pipeline_group
-    else:
-        exchange_group = communicator
-    if not composition.scheduler.orders_traffic:
-        scheduler = None  # the hook's default path is DDP's all-reduce then
-    specs = [spec for block in blocks for spec in block.inverse_specs()]
-    plan = composition.placement_policy.plan(specs, communicator.world_size, costs)
-    owners = composition.final.owners_precondition
-    if hooks is not None:
-        hooks.use(None)  # DDP's all-reduce unless the owner update routes it
-    update: ReplicatedUpdate | OwnerUpdate = (
-        OwnerUpdate(
-            model,
-            blocks,
-            plan,
-            communicator,
-            profiler,
-            hooks,
-            gradients=None if scheduler is None else scheduler.stream(GRADIENTS, communicator),
-        )
-        if owners
-        else ReplicatedUpdate(blocks, communicator, profiler)
-    )
-    inverses = InversePhase(
-        plan,
-        communicator,
-        config.inverse_form,
-        min_group_elements=composition.broadcasts.min_group_elements(costs),
-        owners_keep=owners,
-        max_failures=config.max_inverse_failures,
-        profiler=profiler,
-    )
-    collector = FactorCollector(
-        blocks,
-        communicator,
-        composition.fusion,
-        enabled=enabled,
-        allreduce=costs.allreduce,
-        accumulation_steps=config.accumulation_steps,
-        bucket_cap_bytes=int(config.bucket_cap_mb * 2**20),
-        fusion_warmup_steps=config.fusion_warmup_steps,
-        comm_dtype=config.factor_comm_dtype,
-        owners=plan.owner_by_key if owners else None,
-        grad_scale=grad_scale,
-        examples=config.factor_options.examples,
-        scheduler=scheduler,
-        exchange_group=exchange_group,
-        profiler=profiler,
-    )
-    return Stages(composition, update, inverses, collector)
+
+    blocks: Sequence[CurvatureBlock]
+    communicator: Communicator
+    layout: ParameterLayout
+    costs: CostModel
+    profiler: Profiler
+    enabled: Callable[[], bool]
+    grad_scale: Callable[[], float] | None = None
 
 
-def scheduler_for(
-    config: KFACConfig, communicator: Communicator, costs: CostModel
-) -> CommScheduler | None:
-    """The communication scheduler, with a process group of its own (a collective), when
-    a composition the preconditioner may use has ``comm_scheduler="priority"`` on a group
-    of several ranks; None otherwise."""
-    wanted = any(row.scheduler.orders_traffic for row in config.selection.rows)
-    if not wanted or communicator.world_size == 1:
-        return None
-    return CommScheduler(communicator.duplicate(), costs.allreduce)
+class Assembler:
+    """Builds the stages of any composition ``config`` may use (module docstring).
 
+    Construction is a collective on several ranks: it creates the process groups the
+    compositions need (a scheduler's, a pipelined fusion's), once, and registers the
+    gradient-routing hook on a layout that takes one when a composition routes gradients
+    (an owner-computes final stage, or a scheduler ordering DDP's buckets).
 
-def pipeline_group_for(config: KFACConfig, communicator: Communicator) -> Communicator | None:
-    """The process group pipelined factor buckets travel on (a collective), created once
-    when a composition the preconditioner may use has a pipelined fusion on a group of
-    several ranks, and shared by every collector ``strategy="auto"`` assembles; None
-    otherwise."""
-    wanted = any(row.fusion is not None and row.fusion.eager for row in config.selection.rows)
-    if not wanted or communicator.world_size == 1:
-        return None
-    return communicator.duplicate()
-
-
-def routing_hook(
-    model: nn.Module, config: KFACConfig, scheduler: CommScheduler | None = None
-) -> SwitchableHook | None:
-    """The DDP hook registered once when the gradient buckets' communication may differ
-    from DDP's own (DDP takes one hook per model, and never gives it back): a composition
-    the preconditioner may use computes on owners, or a ``scheduler`` orders the buckets;
-    None otherwise. ``remove()`` turns it back into DDP's all-reduce.
+    Args:
+        parts: The blocks, group, layout, costs and profiler.
+        config: The options (its :attr:`~spdkfac.KFACConfig.selection` says which
+            compositions may be used).
 
     Raises:
-        ValueError: The DDP model already has a hook.
+        ValueError: The layout cannot take the routing hook.
     """
-    ddp = find_ddp(model)
-    if ddp is None:
-        return None
-    owners = any(row.final.owners_precondition for row in config.selection.rows)
-    if scheduler is None and not owners:
-        return None
-    hooks = SwitchableHook(scheduler)
-    register_ddp_hook(ddp, hooks.function)
-    return hooks
+
+    def __init__(self, parts: EngineParts, config: KFACConfig) -> None:
+        self.parts = parts
+        rows = config.selection.rows
+        communicator = parts.communicator
+        several = communicator.world_size > 1
+        self.scheduler: CommScheduler | None = None
+        if several and any(row.scheduler.orders_traffic for row in rows):
+            self.scheduler = CommScheduler(communicator.duplicate(), parts.costs.allreduce)
+        eager = any(row.fusion is not None and row.fusion.eager for row in rows)
+        self._pipeline_group = communicator.duplicate() if several and eager else None
+        self.hooks: SwitchableHook | None = None
+        owners = any(row.final.owners_precondition for row in rows)
+        if parts.layout.routes_gradients and (self.scheduler is not None or owners):
+            self.hooks = SwitchableHook(self.scheduler)
+            parts.layout.route_gradients(self.hooks.function)
+
+    @property
+    def groups(self) -> list[Communicator]:
+        """The process groups this assembler created."""
+        created = [None if self.scheduler is None else self.scheduler.group]
+        return [group for group in (*created, self._pipeline_group) if group is not None]
+
+    def build(self, composition: Strategy, config: KFACConfig) -> Stages:
+        """Plan the placement and build the stages of ``composition`` (no collective)."""
+        parts = self.parts
+        assert composition.fusion is not None and composition.placement_policy is not None
+        specs = [spec for block in parts.blocks for spec in block.inverse_specs()]
+        world = parts.communicator.world_size
+        plan = composition.placement_policy.plan(specs, world, parts.costs)
+        scheduler = self.scheduler if composition.scheduler.orders_traffic else None
+        if self.hooks is not None:
+            self.hooks.use(None)  # DDP's all-reduce unless the final stage routes it
+        final = FINAL_STAGES[composition.final](self._stage_inputs(plan, scheduler))
+        delivery = ResultDelivery(
+            min_group_elements=composition.broadcasts.min_group_elements(parts.costs),
+            owners_keep=composition.final.owners_precondition,
+        )
+        inverses = InversePhase(
+            plan,
+            parts.communicator,
+            config.inverse_form,
+            delivery=delivery,
+            max_failures=config.max_inverse_failures,
+            profiler=parts.profiler,
+        )
+        collector = FactorCollector(
+            parts.blocks,
+            parts.communicator,
+            self._route(composition, plan, scheduler),
+            settings=config.collector_settings,
+            enabled=parts.enabled,
+            grad_scale=parts.grad_scale,
+            profiler=parts.profiler,
+        )
+        return Stages(composition, final, inverses, collector)
+
+    def _stage_inputs(self, plan: Plan, scheduler: CommScheduler | None) -> StageInputs:
+        parts = self.parts
+        gradients = None if scheduler is None else scheduler.stream(GRADIENTS, parts.communicator)
+        return StageInputs(
+            parts.blocks,
+            parts.communicator,
+            parts.layout,
+            parts.profiler,
+            plan,
+            hooks=self.hooks,
+            gradients=gradients,
+        )
+
+    def _route(
+        self, composition: Strategy, plan: Plan, scheduler: CommScheduler | None
+    ) -> FactorRoute:
+        """Where the composition's factor buckets travel: a pipelined fusion on its own
+        group (through the scheduler's factor stream when one orders the traffic)."""
+        fusion = composition.fusion
+        assert fusion is not None
+        group = self.parts.communicator
+        if fusion.eager and self._pipeline_group is not None:
+            group = self._pipeline_group
+        ordering = scheduler if fusion.eager else None
+        if ordering is not None:
+            group = ordering.stream(FACTORS, group)
+        return FactorRoute(
+            fusion,
+            group,
+            self.parts.costs.allreduce,
+            owners=composition.final.factor_owners(plan),
+            scheduler=ordering,
+        )
+
+    def close(self) -> None:
+        """Give the gradient reduction back to the wrapper, end the scheduler and release
+        the groups created (every rank, after the last step)."""
+        if self.hooks is not None:
+            self.hooks.plain()
+        if self.scheduler is not None:
+            self.scheduler.close()
+        for group in self.groups:
+            release(group)
+        self._pipeline_group = None
+        self.scheduler = None

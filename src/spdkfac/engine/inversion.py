@@ -22,6 +22,7 @@ from spdkfac.profiling import Phase, Profiler, span_name
 __all__ = [
     "InverseOutcome",
     "InversePhase",
+    "ResultDelivery",
     "invert_factors",
 ]
 
@@ -40,6 +41,21 @@ class InverseOutcome:
     failed: frozenset[str]
 
 
+@dataclass(frozen=True)
+class ResultDelivery:
+    """How the placed inversions' results reach the ranks that apply them.
+
+    Attributes:
+        min_group_elements: Broadcast grouping of communicated results
+            (:func:`~spdkfac.planning.broadcasts.broadcast_groups`; 0: one per factor).
+        owners_keep: Owners keep their results and nothing is broadcast (Osawa et al.'s
+            owner-computes exchange).
+    """
+
+    min_group_elements: int = 0
+    owners_keep: bool = False
+
+
 def invert_factors(
     factors: Mapping[str, Tensor],
     plan: Plan,
@@ -48,8 +64,7 @@ def invert_factors(
     form: InverseForm | None = None,
     *,
     previous: Mapping[str, Tensor | None] | None = None,
-    min_group_elements: int = 0,
-    owners_keep: bool = False,
+    delivery: ResultDelivery = ResultDelivery(),
     profiler: Profiler | None = None,
 ) -> InverseOutcome:
     """Compute every factor's result in ``form`` (default: ``(F + γI)⁻¹`` by Cholesky),
@@ -61,10 +76,11 @@ def invert_factors(
     in one call (:meth:`~spdkfac.forms.InverseForm.compute_batch`). The owner of a
     communicated factor inverts it (batched with its broadcast group's other members) and
     broadcasts the result in the form's wire format asynchronously (grouped as
-    :func:`broadcast_groups` says), so the broadcast overlaps its next inversions; other
-    ranks post the receive at once. Non-communicated factors are inverted locally, batched,
-    after every broadcast has been issued, overlapping the transfers. Batches are formed
-    from replicated facts only, so every rank computes a non-communicated inverse alike.
+    :func:`~spdkfac.planning.broadcasts.broadcast_groups` says), so the broadcast overlaps
+    its next inversions; other ranks post the receive at once. Non-communicated factors
+    are inverted locally, batched, after every broadcast has been issued, overlapping the
+    transfers. Batches are formed from replicated facts only, so every rank computes a
+    non-communicated inverse alike.
 
     An inversion that fails (non-finite factor, or every fallback of
     :func:`~spdkfac.linalg.damped_inverse` failed) never skips a collective: the owner
@@ -72,46 +88,25 @@ def invert_factors(
     flags ends the phase, so every rank replaces the same factors by their ``previous``
     inverse.
 
-    With ``owners_keep`` (Osawa et al.'s owner-computes exchange) ``factors`` holds this
-    rank's own factors only: each rank inverts what it owns and nothing is broadcast; the
-    failure flags still cover every factor of the plan, so the all-reduce is the same on
-    every rank.
+    With ``delivery.owners_keep`` (Osawa et al.'s owner-computes exchange) ``factors``
+    holds this rank's own factors only: each rank inverts what it owns and nothing is
+    broadcast; the failure flags still cover every factor of the plan, so the all-reduce
+    is the same on every rank.
     """
-    rank = communicator.rank
     profiler = profiler or Profiler()
     keys = [spec.key for spec in plan.factors if spec.key in factors]
     dims = {spec.key: spec.dim for spec in plan.factors}
-    form = form or DampedInverse("cholesky")
-    invert = _Inverter(factors, dims, damping, form, profiler)
-    inverses = invert.inverses
+    invert = _Inverter(factors, dims, damping, form or DampedInverse("cholesky"), profiler)
     if communicator.world_size == 1:
         invert(keys)
-        return _outcome(inverses, invert.failed, previous)
-    if owners_keep:
+        return _outcome(invert.inverses, invert.failed, previous)
+    if delivery.owners_keep:
         invert(keys)
-        return _outcome(
-            inverses,
-            _agree_failures(
-                communicator, [spec.key for spec in plan.factors], invert.failed, profiler
-            ),
-            previous,
-        )
-    pending: list[tuple[BroadcastGroup, Future[Tensor]]] = []
-    for group in broadcast_groups(plan, factors, min_group_elements, form.wire_size):
-        dtype = form.dtype or inverse_dtype(factors[group.keys[0]].dtype)
-        if group.owner == rank:
-            invert(group.keys)
-            with profiler.span(span_name(Phase.INVERSE_COMPUTE, "pack")):
-                parts = [
-                    form.pack(inverse).to(dtype)
-                    if (inverse := inverses[key]) is not None
-                    else torch.zeros(size, dtype=dtype)
-                    for key, size in zip(group.keys, group.sizes, strict=True)
-                ]
-                buffer = torch.cat(parts).to(device=communicator.device, dtype=dtype)
-        else:
-            buffer = torch.empty(group.elements, dtype=dtype, device=communicator.device)
-        pending.append((group, communicator.broadcast(buffer, src=group.owner)))
+        every = [spec.key for spec in plan.factors]
+        failed = _agree_failures(communicator, every, invert.failed, profiler)
+        return _outcome(invert.inverses, failed, previous)
+    groups = broadcast_groups(plan, factors, delivery.min_group_elements, invert.form.wire_size)
+    pending = _send_and_post(groups, invert, communicator)
     invert(
         [
             spec.key
@@ -119,6 +114,44 @@ def invert_factors(
             if owner == EVERY_RANK and spec.key in factors
         ]
     )
+    _receive(pending, invert, communicator.rank, profiler)
+    # The keys are replicated (factors are), so every rank issues this alike.
+    failed = _agree_failures(communicator, keys, invert.failed, profiler)
+    return _outcome(invert.inverses, failed, previous)
+
+
+def _send_and_post(
+    groups: Sequence[BroadcastGroup], invert: _Inverter, communicator: Communicator
+) -> list[tuple[BroadcastGroup, Future[Tensor]]]:
+    """Each group's broadcast, in order: its owner inverts and sends (zeros for a failed
+    member), the others post the receive."""
+    form, factors = invert.form, invert.factors
+    pending: list[tuple[BroadcastGroup, Future[Tensor]]] = []
+    for group in groups:
+        dtype = form.dtype or inverse_dtype(factors[group.keys[0]].dtype)
+        if group.owner == communicator.rank:
+            invert(group.keys)
+            with invert.profiler.span(span_name(Phase.INVERSE_COMPUTE, "pack")):
+                parts = [
+                    form.pack(inverse).to(dtype)
+                    if (inverse := invert.inverses[key]) is not None
+                    else torch.zeros(size, dtype=dtype)
+                    for key, size in zip(group.keys, group.sizes, strict=True)
+                ]
+                buffer = torch.cat(parts).to(device=communicator.device, dtype=dtype)
+        else:
+            buffer = torch.empty(group.elements, dtype=dtype, device=communicator.device)
+        pending.append((group, communicator.broadcast(buffer, src=group.owner)))
+    return pending
+
+
+def _receive(
+    pending: Sequence[tuple[BroadcastGroup, Future[Tensor]]],
+    invert: _Inverter,
+    rank: int,
+    profiler: Profiler,
+) -> None:
+    """Wait for every broadcast and unpack the results this rank did not compute."""
     for group, future in pending:
         with profiler.span(span_name(Phase.INVERSE_COMM, "wait")):
             received = future.wait()
@@ -126,14 +159,9 @@ def invert_factors(
             continue
         offset = 0
         for key, dim, size in zip(group.keys, group.dims, group.sizes, strict=True):
-            inverses[key] = form.unpack(received[offset : offset + size], dim).to(
-                factors[key].device
-            )
+            piece = received[offset : offset + size]
+            invert.inverses[key] = invert.form.unpack(piece, dim).to(invert.factors[key].device)
             offset += size
-    # The keys are replicated (factors are), so every rank issues this alike.
-    return _outcome(
-        inverses, _agree_failures(communicator, keys, invert.failed, profiler), previous
-    )
 
 
 class _Inverter:
@@ -154,11 +182,11 @@ class _Inverter:
         form: InverseForm,
         profiler: Profiler,
     ) -> None:
-        self._factors = factors
+        self.factors = factors
         self._dims = dims
         self._damping = damping
-        self._form = form
-        self._profiler = profiler
+        self.form = form
+        self.profiler = profiler
         self.inverses: dict[str, Tensor | None] = {}
         self.failed: set[str] = set()
 
@@ -167,7 +195,7 @@ class _Inverter:
         :func:`~spdkfac.linalg.batch_capacity` each), in first-seen order."""
         batches: dict[tuple[int, torch.dtype, torch.device], list[str]] = {}
         for key in keys:
-            factor = self._factors[key]
+            factor = self.factors[key]
             kind = (self._dims[key], inverse_dtype(factor.dtype), factor.device)
             batches.setdefault(kind, []).append(key)
         for (dim, dtype, device), members in batches.items():
@@ -181,33 +209,33 @@ class _Inverter:
         start = time.perf_counter()
         stack = torch.empty(len(members), dim, dim, dtype=dtype, device=device)
         for matrix, key in zip(stack, members, strict=True):
-            factor = self._factors[key]
+            factor = self.factors[key]
             if factor.dim() == 1 and factor.dtype == dtype:
                 unpack_triu(factor, dim, out=matrix)
             else:
                 matrix.copy_(factor if factor.dim() == 2 else unpack_triu(factor, dim))
         try:
-            first = self._form.compute_batch(stack, self._damping)
+            first = self.form.compute_batch(stack, self._damping)
         except (ValueError, RuntimeError):  # e.g. a bad damping: each member reports it
             first = [None] * len(members)
-        if self._profiler.enabled:
+        if self.profiler.enabled:
             # Per-factor spans (what the simulator's profiled costs read): equal shares of
             # the batch, whose members have the same size.
             share = (time.perf_counter() - start) / len(members)
             for position, key in enumerate(members):
                 begin = start + position * share
                 name = span_name(Phase.INVERSE_COMPUTE, key)
-                self._profiler.record(name, begin, begin + share)
+                self.profiler.record(name, begin, begin + share)
         for key, inverse in zip(members, first, strict=True):
             result = inverse if inverse is not None else self._alone(key, dim)
-            self.inverses[key] = None if result is None else self._form.stored(result)
+            self.inverses[key] = None if result is None else self.form.stored(result)
 
     def _alone(self, key: str, dim: int) -> Tensor | None:
-        factor = self._factors[key]
-        with self._profiler.span(span_name(Phase.INVERSE_COMPUTE, key)):
+        factor = self.factors[key]
+        with self.profiler.span(span_name(Phase.INVERSE_COMPUTE, key)):
             try:
                 full = unpack_triu(factor, dim) if factor.dim() == 1 else factor
-                return self._form.compute(full, self._damping)
+                return self.form.compute(full, self._damping)
             except (ValueError, RuntimeError) as error:  # InversionError, LinAlgError, …
                 self.failed.add(key)
                 warnings.warn(
@@ -250,8 +278,7 @@ class InversePhase:
         plan: Where each placed factor is inverted.
         communicator: The group.
         form: What is computed from each factor (the ``inverse_method``'s form).
-        min_group_elements: Broadcast grouping (see :func:`broadcast_groups`).
-        owners_keep: Owners keep their inverses (owner-computes exchange: no broadcast).
+        delivery: How results reach the ranks that apply them.
         max_failures: Consecutive inverse updates with a failed inversion tolerated.
         profiler: Where spans are recorded.
     """
@@ -262,16 +289,14 @@ class InversePhase:
         communicator: Communicator,
         form: InverseForm,
         *,
-        min_group_elements: int,
-        owners_keep: bool = False,
+        delivery: ResultDelivery,
         max_failures: int,
         profiler: Profiler,
     ) -> None:
         self.plan = plan
-        self._owners_keep = owners_keep
+        self._delivery = delivery
         self._communicator = communicator
         self.form = form
-        self._min_group_elements = min_group_elements
         self._max_failures = max_failures
         self._profiler = profiler
         self._failures = 0
@@ -296,8 +321,7 @@ class InversePhase:
             damping,
             self.form,
             previous=previous,
-            min_group_elements=self._min_group_elements,
-            owners_keep=self._owners_keep,
+            delivery=self._delivery,
             profiler=self._profiler,
         )
         # Blocks take their placed inverses and compute any closed-form ones of their own.

@@ -21,30 +21,27 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
+from torch import Tensor
 
 from spdkfac.comm import Communicator
 from spdkfac.comm.ddp_hooks import (
     BucketLaunches,
-    DDPCommHook,
-    SwitchableHook,
     owner_reduce_hook,
 )
 from spdkfac.comm.owners import EVERYONE, gather_from_owners, reduce_to_owners
 from spdkfac.curvature import CurvatureBlock
-from spdkfac.engine.update import block_gradients, clip_from_sum, clip_terms
+from spdkfac.engine.clip import clip_from_sum, clip_terms
+from spdkfac.engine.final import StageInputs
+from spdkfac.engine.replicated import block_gradients
 from spdkfac.linalg import all_finite
 from spdkfac.planning.placement import EVERY_RANK, Plan
-from spdkfac.profiling import Phase, Profiler, span_name
+from spdkfac.profiling import Phase, span_name
 
 __all__ = [
-    "OwnerUpdate",
+    "OwnerStage",
     "block_owners",
     "drop_unowned",
-    "find_ddp",
     "gather_states",
-    "register_ddp_hook",
 ]
 
 
@@ -68,64 +65,26 @@ def block_owners(blocks: Sequence[CurvatureBlock], plan: Plan) -> dict[str, int]
     return result
 
 
-def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
-    """The ``DistributedDataParallel`` wrapper of ``model`` (through ``torch.compile``)."""
-    inner = getattr(model, "_orig_mod", model)
-    return inner if isinstance(inner, DistributedDataParallel) else None
-
-
-def register_ddp_hook(ddp: DistributedDataParallel, hook: DDPCommHook) -> None:
-    """Register the preconditioner's communication hook on a DDP model.
-
-    Raises:
-        ValueError: The model already has one (DDP takes a single hook).
-    """
-    try:
-        ddp.register_comm_hook(None, hook)
-    except RuntimeError as error:
-        raise ValueError(
-            "strategy / comm_scheduler: spdkfac reduces the gradient buckets through "
-            "its own communication hook, and this DistributedDataParallel model cannot "
-            f"take it ({error})"
-        ) from error
-
-
-class OwnerUpdate:
+class OwnerStage:
     """Gradients to owners, owners precondition, all-gather (see the module docstring).
 
     Args:
-        model: The model as the user passed it (a DDP wrapper gets the hook).
-        blocks: The curvature blocks, in the same order on every rank.
-        plan: Owners of the placed factors.
-        communicator: The group.
-        profiler: Where spans are recorded.
-        hooks: The hook registered on a DDP model to route its gradient buckets through
-            (required with DDP on several ranks).
-        gradients: The communicator DDP's buckets are reduced to the owners over (a
-            communication scheduler's gradient stream; default ``communicator``).
+        inputs: The blocks, the group, the layout, the profiler, the plan whose owners
+            precondition, and (for a layout whose gradient reduction is routed, on several
+            ranks) the routing hook and the communicator buckets are reduced over.
 
     Raises:
         ValueError: When the placement splits a layer.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        blocks: Sequence[CurvatureBlock],
-        plan: Plan,
-        communicator: Communicator,
-        profiler: Profiler,
-        hooks: SwitchableHook | None = None,
-        *,
-        gradients: Communicator | None = None,
-    ) -> None:
+    def __init__(self, inputs: StageInputs) -> None:
+        blocks, communicator = inputs.blocks, inputs.communicator
         self._blocks = blocks
         self._communicator = communicator
-        self._profiler = profiler
-        self.owner_of = block_owners(blocks, plan)
-        inner = getattr(find_ddp(model), "module", model)
-        inner = getattr(inner, "_orig_mod", inner)
-        self._parameters = [p for p in inner.parameters() if p.requires_grad]
+        self._profiler = inputs.profiler
+        self._layout = inputs.layout
+        self.owner_of = block_owners(blocks, inputs.plan)
+        self._parameters = [p for p in inputs.layout.module.parameters() if p.requires_grad]
         self._block_parameters = {
             block.name: [p for p in block.module.parameters(recurse=False) if p.requires_grad]
             for block in blocks
@@ -137,14 +96,15 @@ class OwnerUpdate:
             if self.owner_of[name] != EVERYONE
         }
         self._param_owner = param_owner
-        ddp = find_ddp(model)
-        self.reduces_in_step = ddp is None or communicator.world_size == 1
-        #: Launch times of the DDP hook's buckets (None when gradients reduce at the step).
+        self.reduces_in_step = not inputs.layout.routes_gradients or communicator.world_size == 1
+        #: Launch times of the routed buckets (None when gradients reduce at the step).
         self.launches: BucketLaunches | None = None
         if not self.reduces_in_step:
-            assert hooks is not None, "a DDP model needs assembly.routing_hook()"
+            hooks = inputs.hooks
+            assert hooks is not None, "a routed layout needs the assembler's routing hook"
             self.launches = hooks.launches
-            hooks.use(owner_reduce_hook(gradients or communicator, param_owner, self.launches))
+            group = inputs.gradients or communicator
+            hooks.use(owner_reduce_hook(group, param_owner, hooks.launches))
 
     def _mine(self, block: CurvatureBlock) -> bool:
         return self.owner_of[block.name] in (EVERYONE, self._communicator.rank)
@@ -164,7 +124,8 @@ class OwnerUpdate:
         if self.reduces_in_step and self._communicator.world_size > 1:
             with self._profiler.span(span_name(Phase.GRAD_COMM, "reduce_scatter")):
                 self._reduce_in_step()
-        gradients = block_gradients(b for b in self._blocks if self._mine(b))
+        mine = (b for b in self._blocks if self._mine(b))
+        gradients = block_gradients(mine, self._layout.gradients)
         return gradients, all_finite(list(gradients.values()))
 
     def _reduce_in_step(self) -> None:
@@ -225,7 +186,7 @@ class OwnerUpdate:
         if agreed is None:
             return False
         total, present = agreed
-        scale = clip_from_sum(total + shared_sum, kl_clip)
+        scale = clip_from_sum(total + self._layout.clip_sum(shared_sum), kl_clip)
         if scale is None:
             return False
         self._gather_and_write(preconditioned, present, scale)
@@ -285,6 +246,18 @@ class OwnerUpdate:
                 if self.owner_of[block.name] == EVERYONE and block.name in preconditioned:
                     self._write(block, preconditioned[block.name], scale)
 
+    def gather_state(self) -> dict[str, dict[str, Tensor | None]] | None:
+        """Every block's state on every rank, from the owners (a collective on several
+        ranks; None on one, where this rank holds everything)."""
+        if self._communicator.world_size == 1:
+            return None
+        return gather_states(self._blocks, self.owner_of, self._communicator)
+
+    def after_load(self) -> None:
+        """Forget the state of the blocks other ranks own (owners were planned for this
+        world size)."""
+        drop_unowned(self._blocks, self.owner_of, self._communicator.rank)
+
     def _matrix_shape(
         self, block: CurvatureBlock, preconditioned: Mapping[str, Tensor]
     ) -> tuple[int, ...]:
@@ -300,7 +273,7 @@ class OwnerUpdate:
         for param in self._block_parameters[block.name]:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        block.set_gradient(matrix.mul_(scale) if scale != 1.0 else matrix)
+        block.set_gradient(matrix.mul_(scale) if scale != 1.0 else matrix, self._layout.gradients)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from spdkfac.layers.base import KFACLayer, gradient_matrix, precondition, write_gradient_matrix
+from spdkfac.layers.base import (
+    LOCAL_GRADIENTS,
+    GradientAccess,
+    KFACLayer,
+    LocalGradients,
+    gradient_matrix,
+    precondition,
+    write_gradient_matrix,
+)
 from spdkfac.layers.conv1d import Conv1dLayer
 from spdkfac.layers.conv2d import Conv2dLayer
 from spdkfac.layers.embedding import EmbeddingLayer
@@ -12,13 +20,16 @@ from spdkfac.layers.linear import LinearLayer
 from spdkfac.layers.options import FactorMethod, FactorOptions, SelectionPolicy
 
 __all__ = [
+    "LOCAL_GRADIENTS",
     "Conv1dLayer",
     "Conv2dLayer",
     "EmbeddingLayer",
     "FactorMethod",
     "FactorOptions",
+    "GradientAccess",
     "KFACLayer",
     "LinearLayer",
+    "LocalGradients",
     "SelectionPolicy",
     "adapter_for_type",
     "gradient_matrix",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -10,7 +11,44 @@ from torch import Tensor, nn
 from spdkfac.layers.options import FactorOptions
 from spdkfac.types import WeightSharing
 
-__all__ = ["KFACLayer", "gradient_matrix", "precondition", "write_gradient_matrix"]
+__all__ = [
+    "LOCAL_GRADIENTS",
+    "GradientAccess",
+    "KFACLayer",
+    "LocalGradients",
+    "gradient_matrix",
+    "precondition",
+    "write_gradient_matrix",
+]
+
+
+class GradientAccess(Protocol):
+    """How a parameter's gradient is read and written: where it lives is the parameter
+    layout's business (:mod:`spdkfac.layout`), not the layer math's."""
+
+    def read(self, param: Tensor) -> Tensor | None:
+        """The parameter's full gradient (None without one)."""
+        ...
+
+    def write(self, param: Tensor, value: Tensor) -> None:
+        """Write ``value`` (the full gradient's shape) as the parameter's gradient."""
+        ...
+
+
+class LocalGradients:
+    """Gradients where a plain or ``DistributedDataParallel`` model keeps them: each
+    parameter's own full ``.grad``."""
+
+    def read(self, param: Tensor) -> Tensor | None:
+        return param.grad
+
+    def write(self, param: Tensor, value: Tensor) -> None:
+        assert param.grad is not None
+        param.grad.copy_(value)
+
+
+#: The gradient access of plain and DDP models.
+LOCAL_GRADIENTS = LocalGradients()
 
 
 def gradient_matrix(weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
@@ -21,15 +59,18 @@ def gradient_matrix(weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
     return torch.cat([matrix, bias_grad.reshape(-1, 1)], dim=1)
 
 
-def write_gradient_matrix(module: nn.Module, matrix: Tensor) -> None:
-    """Copy an ``[out, in(+1)]`` matrix back into ``module.weight.grad`` and ``bias.grad``."""
+def write_gradient_matrix(
+    module: nn.Module, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS
+) -> None:
+    """Write an ``[out, in(+1)]`` matrix back as ``module.weight``'s and ``bias``'s
+    gradients (the bias only where it has one)."""
     weight = module.weight
-    assert isinstance(weight, Tensor) and weight.grad is not None
+    assert isinstance(weight, Tensor)
     columns = weight[0].numel()
-    weight.grad.copy_(matrix[:, :columns].reshape(weight.shape))
+    access.write(weight, matrix[:, :columns].reshape(weight.shape))
     bias = getattr(module, "bias", None)
-    if isinstance(bias, Tensor) and bias.grad is not None:
-        bias.grad.copy_(matrix[:, columns])
+    if isinstance(bias, Tensor) and access.read(bias) is not None:
+        access.write(bias, matrix[:, columns])
 
 
 def precondition(gradient: Tensor, a_inverse: Tensor, g_inverse: Tensor) -> Tensor:
@@ -82,18 +123,23 @@ class KFACLayer(ABC):
         """Whether the module has a bias parameter."""
         return isinstance(getattr(module, "bias", None), Tensor)
 
-    def gradient(self, module: nn.Module) -> Tensor | None:
+    def gradient(
+        self, module: nn.Module, access: GradientAccess = LOCAL_GRADIENTS
+    ) -> Tensor | None:
         """The ``[out, in(+1)]`` gradient matrix, or None when the weight has no gradient."""
         weight = module.weight
         assert isinstance(weight, Tensor)
-        if weight.grad is None:
+        weight_grad = access.read(weight)
+        if weight_grad is None:
             return None
         bias = getattr(module, "bias", None)
-        bias_grad = bias.grad if isinstance(bias, Tensor) else None
+        bias_grad = access.read(bias) if isinstance(bias, Tensor) else None
         if isinstance(bias, Tensor) and bias_grad is None:
             bias_grad = torch.zeros_like(bias)
-        return gradient_matrix(weight.grad, bias_grad)
+        return gradient_matrix(weight_grad, bias_grad)
 
-    def set_gradient(self, module: nn.Module, matrix: Tensor) -> None:
+    def set_gradient(
+        self, module: nn.Module, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS
+    ) -> None:
         """Write a preconditioned ``[out, in(+1)]`` matrix back into the parameters."""
-        write_gradient_matrix(module, matrix)
+        write_gradient_matrix(module, matrix, access)

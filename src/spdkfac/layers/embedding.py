@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from spdkfac.layers.base import KFACLayer
+from spdkfac.layers.base import LOCAL_GRADIENTS, GradientAccess, KFACLayer
 from spdkfac.layers.gram import linear_g_factor_gram
 from spdkfac.layers.linear import linear_g_factor
 from spdkfac.layers.options import FactorOptions
@@ -78,12 +78,17 @@ class EmbeddingLayer(KFACLayer):
             return linear_g_factor(grad_output), rows
         return linear_g_factor_gram(grad_output, compute_dtype=self.options.compute_dtype), rows
 
-    def gradient(self, module: nn.Module) -> Tensor | None:
+    def gradient(
+        self, module: nn.Module, access: GradientAccess = LOCAL_GRADIENTS
+    ) -> Tensor | None:
         weight = module.weight
         assert isinstance(weight, Tensor)
-        return None if weight.grad is None else weight.grad.t()
+        grad = access.read(weight)
+        return None if grad is None else grad.t()
 
-    def set_gradient(self, module: nn.Module, matrix: Tensor) -> None:
+    def set_gradient(
+        self, module: nn.Module, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS
+    ) -> None:
         weight = module.weight
-        assert isinstance(weight, Tensor) and weight.grad is not None
-        weight.grad.copy_(matrix.t())
+        assert isinstance(weight, Tensor)
+        access.write(weight, matrix.t())

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from spdkfac.layers.base import LOCAL_GRADIENTS, GradientAccess
 from spdkfac.layers.batchnorm import is_supported_batchnorm, normalized_input
 
 __all__ = [
@@ -161,21 +162,26 @@ def has_shift(module: nn.Module) -> bool:
     return _bias(module) is not None
 
 
-def norm_gradient(module: nn.Module) -> Tensor | None:
+def norm_gradient(module: nn.Module, access: GradientAccess = LOCAL_GRADIENTS) -> Tensor | None:
     """``[P, 2]`` matrix ``[∇γ, ∇β]`` (β's as zeros when absent); None without ∇γ."""
     weight, bias = module.weight, _bias(module)
     assert isinstance(weight, Tensor)
-    if weight.grad is None:
+    weight_grad = access.read(weight)
+    if weight_grad is None:
         return None
-    scale = weight.grad.reshape(-1)
-    shift = bias.grad.reshape(-1) if bias is not None and bias.grad is not None else None
+    scale = weight_grad.reshape(-1)
+    bias_grad = None if bias is None else access.read(bias)
+    shift = None if bias_grad is None else bias_grad.reshape(-1)
     return torch.stack([scale, torch.zeros_like(scale) if shift is None else shift], dim=1)
 
 
-def write_norm_gradient(module: nn.Module, matrix: Tensor) -> None:
-    """Copy a ``[P, 2]`` matrix back into ``weight.grad`` and ``bias.grad`` (where present)."""
+def write_norm_gradient(
+    module: nn.Module, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS
+) -> None:
+    """Write a ``[P, 2]`` matrix back as ``weight``'s and ``bias``'s gradients (the bias
+    only where it has one)."""
     weight, bias = module.weight, _bias(module)
-    assert isinstance(weight, Tensor) and weight.grad is not None
-    weight.grad.copy_(matrix[:, 0].reshape(weight.shape))
-    if bias is not None and bias.grad is not None:
-        bias.grad.copy_(matrix[:, 1].reshape(bias.shape))
+    assert isinstance(weight, Tensor)
+    access.write(weight, matrix[:, 0].reshape(weight.shape))
+    if bias is not None and access.read(bias) is not None:
+        access.write(bias, matrix[:, 1].reshape(bias.shape))

@@ -1,0 +1,80 @@
+"""The parameter-layout seam: what the engine asks of where parameters and gradients live.
+
+A layout answers four questions, so that nothing else in the package assumes a plain or
+``DistributedDataParallel`` model: which module holds the user's layers (names, hooks,
+state keys are the user's), how a parameter's full gradient is read and written, over
+which ranks the KL clip's partial sum must still be reduced, and whether the wrapper's
+gradient reduction can be routed through a communication hook of the preconditioner's
+(the owner-computes exchange, the priority scheduler). A new wrapper (FSDP2's
+``fully_shard``) is one new class, chosen in :func:`spdkfac.layout.layout_of`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from torch import nn
+
+from spdkfac.layers import GradientAccess
+
+__all__ = ["GradientHook", "ParameterLayout", "unwrap_compiled"]
+
+#: A gradient-bucket communication hook (``DistributedDataParallel.register_comm_hook``).
+GradientHook = Callable[[Any, Any], Any]
+
+
+class ParameterLayout(Protocol):
+    """Where a model's parameters and gradients live (module docstring).
+
+    Attributes:
+        name: ``"plain"`` or ``"ddp"`` (reports and error messages).
+        module: The user's module, inside every wrapper.
+        gradients: How each parameter's full gradient is read and written.
+        reduces_gradients: The wrapper averages gradients over the group during
+            backward (DDP): the preconditioner must not reduce them again.
+    """
+
+    name: str
+    module: nn.Module
+    gradients: GradientAccess
+    reduces_gradients: bool
+
+    @property
+    def routes_gradients(self) -> bool:
+        """Whether :meth:`route_gradients` can take over the gradient reduction."""
+        ...
+
+    def route_gradients(self, hook: GradientHook) -> None:
+        """Reduce the wrapper's gradient buckets through ``hook`` from now on.
+
+        Raises:
+            ValueError: The wrapper cannot take the hook (it has one already).
+        """
+        ...
+
+    def clip_sum(self, partial: float) -> float:
+        """The KL clip's sum over every block from this rank's ``partial`` sum over the
+        blocks it preconditioned (the identity where each rank preconditions complete
+        gradients)."""
+        ...
+
+
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """``model`` inside any ``torch.compile`` wrapper.
+
+    Raises:
+        ValueError: A module compiled with ``fullgraph=True``.
+    """
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        if getattr(getattr(model, "dynamo_ctx", None), "fullgraph", False):
+            raise ValueError(
+                "model: torch.compile(..., fullgraph=True) is not supported: K-FAC's "
+                "capture hooks run Python that Dynamo cannot put in one graph; compile "
+                "with the default fullgraph=False (the hooks then break the graph only "
+                "around the registered layers)"
+            )
+        inner = model._orig_mod  # torch.compile's OptimizedModule
+        assert isinstance(inner, nn.Module)
+        model = inner
+    return model
