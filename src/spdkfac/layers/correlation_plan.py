@@ -312,6 +312,7 @@ def _corners(windows: list[list[Pair]], width: int) -> list[int]:
 
 @functools.lru_cache(maxsize=256)
 def _cached_plan(geometry: Conv2dGeometry, device: torch.device) -> CorrelationPlan:
+    """:func:`correlation_plan` for a geometry already reduced to its cache key."""
     size, (kh, kw) = geometry.size, geometry.kernel_size
     windows = _windows(geometry)
     pairs = _block_pairs(kh * kw)
