@@ -1,6 +1,8 @@
-"""Random factor streams and every way to split them, for the merge rules' exhaustive
-checks (``tests/planning/test_fusion.py``, ``tests/planning/test_merge_priority.py``), and a fusion
-policy that records what it is asked to plan."""
+"""Random factor streams and every way to split them, for the merge rules' exhaustive checks.
+
+Used by ``tests/planning/test_fusion.py`` and ``tests/planning/test_merge_priority.py``;
+also a fusion policy that records what it is asked to plan.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""``FactorOptions(examples=k)``: factors from the first k examples of each call equal those
-of a run that sees only those k examples (float64), while the gradient keeps the whole
-batch; ``spdkfac train`` passes ``--factor-examples`` and ``--weight-sharing`` through."""
+"""``FactorOptions(examples=k)``: factors from the first k examples of each call only.
+
+They equal those of a run that sees only those k examples (float64), while the gradient
+keeps the whole batch; ``spdkfac train`` passes ``--factor-examples`` and
+``--weight-sharing`` through.
+"""
 
 from __future__ import annotations
 

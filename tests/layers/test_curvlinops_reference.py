@@ -1,6 +1,9 @@
-"""Kronecker factors against an external implementation: ``curvlinops``' KFACLinearOperator
-(empirical Fisher, bias as an input column), K-FAC-expand and K-FAC-reduce, for Linear
-layers shared over a sequence dimension and for Conv2d (a dev extra; skipped without it)."""
+"""Kronecker factors against an external implementation, ``curvlinops``.
+
+Its KFACLinearOperator (empirical Fisher, bias as an input column), K-FAC-expand and
+K-FAC-reduce, for Linear layers shared over a sequence dimension and for Conv2d (a dev
+extra; skipped without it).
+"""
 
 from __future__ import annotations
 

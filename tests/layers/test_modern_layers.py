@@ -1,5 +1,7 @@
-"""New curvature blocks against explicit float64 references: Linear expand / reduce,
-Embedding, normalization layers, grouped Conv2d, Conv1d."""
+"""New curvature blocks against explicit float64 references.
+
+Linear expand / reduce, Embedding, normalization layers, grouped Conv2d, Conv1d.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The ``dp`` merge on the priority schedule's timeline: factor buckets planned around the
-link time the gradient chunks hold (``comm_scheduler="priority"``)."""
+"""The ``dp`` merge on the priority schedule's timeline (``comm_scheduler="priority"``).
+
+Factor buckets are planned around the link time the gradient chunks hold.
+"""
 
 from __future__ import annotations
 

@@ -201,21 +201,24 @@ def correlation_plan(geometry: Conv2dGeometry, device: torch.device) -> Correlat
     return _cached_plan(_plan_key(geometry), device)
 
 
-@functools.lru_cache(maxsize=256)
-def _cached_plan(geometry: Conv2dGeometry, device: torch.device) -> CorrelationPlan:
-    size, kernel_size, dilation = geometry.size, geometry.kernel_size, geometry.dilation
-    height, width = size
-    kh, kw = kernel_size
-    windows = _windows(geometry)
-    pairs = sorted(
-        ((p, q) for p in range(kh * kw) for q in range(p, kh * kw)), key=lambda pq: pq[0] != pq[1]
+def _block_pairs(kernel_offsets: int) -> list[Pair]:
+    """Every block (p, q), p ≤ q, of kernel offsets: the diagonal blocks first."""
+    return sorted(
+        ((p, q) for p in range(kernel_offsets) for q in range(p, kernel_offsets)),
+        key=lambda pq: pq[0] != pq[1],
     )
-    blocks = [_pieces(size, windows, dilation, kw, p, q) for p, q in pairs]
+
+
+def _terms(blocks: list[list[_Piece]], whole_region: Region) -> list[Term]:
+    """The correlations the blocks' pieces need, one term per region.
+
+    The whole image computes only the shifts its pieces need; a border strip computes the
+    rectangle of shifts around them, which its batched gather computes anyway.
+    """
     needed: dict[Region, list[Pair]] = {}
     for pieces in blocks:
         for piece in pieces:
             needed.setdefault(piece.region, []).append((piece.a, piece.b))
-    whole_region = (0, height, 0, width)
     terms = []
     for region, shifts in needed.items():
         if region == whole_region:
@@ -228,13 +231,27 @@ def _cached_plan(geometry: Conv2dGeometry, device: torch.device) -> CorrelationP
             for b in range(min(b_values), max(b_values) + 1)
         ]
         terms.append(Term(region, tuple(rectangle)))
+    return terms
+
+
+class _Layout(NamedTuple):
+    """Where each term's correlations lie in the stacked rows."""
+
+    whole: Term | None  # in rows 0 .. len(whole.shifts)
+    groups: list[StripGroup]  # then the strips, group by group
+    starts: dict[Region, int]  # first stacked row of each term
+    rows: int  # stacked rows used (the all-zero row comes next)
+
+
+def _layout(terms: list[Term], whole_region: Region) -> _Layout:
+    """The whole-image term first, then the strips; strips of one shape whose shifts start
+    at the same (a, b) share one batched product (a group), in grid order."""
     whole = next((t for t in terms if t.region == whole_region), None)
     starts: dict[Region, int] = {}
     row = 0
     if whole is not None:
         starts[whole.region] = 0
         row = len(whole.shifts)
-    # Strips of one shape whose shifts start at the same (a, b) share one batched product.
     by_shape: dict[tuple[int, int, int, int, int, int], list[Term]] = {}
     for term in terms:
         if term is not whole:
@@ -254,20 +271,35 @@ def _cached_plan(geometry: Conv2dGeometry, device: torch.device) -> CorrelationP
             group_start, key[:4], key[4], key[5], tuple(origins), _grid(origins), own_shift
         )
         groups.append(group)
+    return _Layout(whole, groups, starts, row)
+
+
+def _assembly(
+    blocks: list[list[_Piece]], terms: list[Term], layout: _Layout
+) -> tuple[list[int], list[Pair], list[Pair]]:
+    """Each block's first stacked row (the all-zero row if it has no positive piece), and
+    the (block, stacked row) pairs to add and to subtract."""
     by_region = {term.region: term for term in terms}
 
     def stacked_row(piece: _Piece) -> int:
-        return starts[piece.region] + by_region[piece.region].shifts.index((piece.a, piece.b))
+        start = layout.starts[piece.region]
+        return start + by_region[piece.region].shifts.index((piece.a, piece.b))
 
     initial: list[int] = []
     plus: list[Pair] = []
     minus: list[Pair] = []
     for index, pieces in enumerate(blocks):
         head = next((piece for piece in pieces if piece.sign > 0), None)
-        initial.append(row if head is None else stacked_row(head))
+        initial.append(layout.rows if head is None else stacked_row(head))
         for piece in pieces:
             if piece is not head:
                 (plus if piece.sign > 0 else minus).append((index, stacked_row(piece)))
+    return initial, plus, minus
+
+
+def _corners(windows: list[list[Pair]], width: int) -> list[int]:
+    """Integral-image indices of each window's corners: bottom-right, top-right,
+    bottom-left, top-left, each over every kernel offset."""
     corners: list[list[int]] = [[], [], [], []]
     for r0, r1 in windows[0]:
         for c0, c1 in windows[1]:
@@ -275,6 +307,20 @@ def _cached_plan(geometry: Conv2dGeometry, device: torch.device) -> CorrelationP
                 corners, ((r1, c1), (r0, c1), (r1, c0), (r0, c0)), strict=True
             ):
                 bucket.append(r * (width + 1) + c)
+    return [i for bucket in corners for i in bucket]
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(geometry: Conv2dGeometry, device: torch.device) -> CorrelationPlan:
+    """:func:`correlation_plan` for a geometry already reduced to its cache key."""
+    size, (kh, kw) = geometry.size, geometry.kernel_size
+    windows = _windows(geometry)
+    pairs = _block_pairs(kh * kw)
+    blocks = [_pieces(size, windows, geometry.dilation, kw, p, q) for p, q in pairs]
+    whole_region = (0, size[0], 0, size[1])
+    terms = _terms(blocks, whole_region)
+    layout = _layout(terms, whole_region)
+    initial, plus, minus = _assembly(blocks, terms, layout)
 
     def tensor(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -283,16 +329,16 @@ def _cached_plan(geometry: Conv2dGeometry, device: torch.device) -> CorrelationP
         return tensor([d for d, _ in values]), tensor([s for _, s in values])
 
     return CorrelationPlan(
-        whole=whole,
-        groups=tuple(groups),
-        rows=row + 1,
+        whole=layout.whole,
+        groups=tuple(layout.groups),
+        rows=layout.rows + 1,
         initial=tensor(initial),
         plus=pair_tensors(plus),
         minus=pair_tensors(minus),
         first=tensor([p for p, _ in pairs]),
         second=tensor([q for _, q in pairs]),
         diagonal=sum(1 for p, q in pairs if p == q),
-        corners=tensor([i for bucket in corners for i in bucket]).view(4, -1),
+        corners=tensor(_corners(windows, size[1])).view(4, -1),
     )
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -14,7 +15,7 @@ from spdkfac.layers.factor_costs import ConcreteMethod, estimate_conv2d_a_second
 from spdkfac.layers.geometry import Conv2dGeometry
 from spdkfac.layers.im2col import conv2d_a_factor_im2col
 from spdkfac.layers.kernels import LOW_PRECISION_DTYPES
-from spdkfac.layers.options import FactorOptions, SelectionPolicy
+from spdkfac.layers.options import FactorMethod, FactorOptions, SelectionPolicy
 
 __all__ = [
     "LOW_PRECISION_MIN_COVERAGE",
@@ -79,10 +80,58 @@ def select_conv2d_a_method(
     return min(candidates, key=lambda m: estimate_conv2d_a_seconds(geometry, m))
 
 
-_METHODS: dict[ConcreteMethod, Callable[[Tensor, Conv2dGeometry], Tensor]] = {
-    "im2col": conv2d_a_factor_im2col,
-    "correlation": conv2d_a_factor_correlation,
-}
+_KERNELS: Mapping[ConcreteMethod, Callable[[Tensor, Conv2dGeometry], Tensor]] = MappingProxyType(
+    {
+        "im2col": conv2d_a_factor_im2col,
+        "correlation": conv2d_a_factor_correlation,
+    }
+)
+
+#: How a ``method=`` option picks the kernel of one call from its input, geometry and options.
+MethodChooser = Callable[[Tensor, Conv2dGeometry, FactorOptions], ConcreteMethod]
+
+
+def _choose_by_selection(
+    inputs: Tensor, geometry: Conv2dGeometry, options: FactorOptions
+) -> ConcreteMethod:
+    """The candidate :func:`select_conv2d_a_method` picks by ``options.selection``,
+    timing candidates on ``inputs`` when it measures."""
+
+    def measure(candidate: ConcreteMethod) -> float:
+        return _time_once(lambda: _KERNELS[candidate](inputs, geometry), inputs.device)
+
+    return select_conv2d_a_method(geometry, policy=options.selection, measure=measure)
+
+
+def _im2col(inputs: Tensor, geometry: Conv2dGeometry, options: FactorOptions) -> ConcreteMethod:
+    """im2col, which handles every geometry."""
+    return "im2col"
+
+
+def _correlation_where_supported(
+    inputs: Tensor, geometry: Conv2dGeometry, options: FactorOptions
+) -> ConcreteMethod:
+    """Correlation where it is a candidate for the geometry, im2col elsewhere."""
+    return "correlation" if "correlation" in conv2d_a_methods(geometry) else "im2col"
+
+
+def _no_fast_reference(
+    inputs: Tensor, geometry: Conv2dGeometry, options: FactorOptions
+) -> ConcreteMethod:
+    """Refuses: the reference is not a fast method."""
+    raise ValueError("conv2d_a_factor_fast runs the fast methods; the reference is conv2d_a_factor")
+
+
+#: The chooser of every ``FactorOptions.method``: ``"auto"`` selects per geometry (by the
+#: cost model or by measuring), the named fast methods are forced where they apply.
+_CHOOSERS: Mapping[FactorMethod, MethodChooser] = MappingProxyType(
+    {
+        "auto": _choose_by_selection,
+        "reference": _no_fast_reference,
+        "im2col": _im2col,
+        "correlation": _correlation_where_supported,
+    }
+)
 
 
 def conv2d_a_factor_fast(
@@ -105,22 +154,8 @@ def conv2d_a_factor_fast(
             :func:`~spdkfac.layers.conv2d.conv2d_a_factor` itself.
     """
     options = FactorOptions() if options is None else options
-    if options.method == "reference":
-        raise ValueError(
-            "conv2d_a_factor_fast runs the fast methods; the reference is conv2d_a_factor"
-        )
-    method: ConcreteMethod
-    if options.method == "auto":
-
-        def measure(candidate: ConcreteMethod) -> float:
-            return _time_once(lambda: _METHODS[candidate](inputs, geometry), inputs.device)
-
-        method = select_conv2d_a_method(geometry, policy=options.selection, measure=measure)
-    elif options.method == "correlation" and "correlation" not in conv2d_a_methods(geometry):
-        method = "im2col"
-    else:
-        method = options.method
-    return _METHODS[method](inputs, geometry)
+    method = _CHOOSERS[options.method](inputs, geometry, options)
+    return _KERNELS[method](inputs, geometry)
 
 
 def _time_once(run: Callable[[], Tensor], device: torch.device) -> float:

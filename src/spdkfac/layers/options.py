@@ -1,5 +1,4 @@
-"""Options of the factor computations: method, compute dtype, how a method is chosen, and
-how many examples of each pass they read."""
+"""Options of the factor computations: method, compute dtype, selection, examples read."""
 
 from __future__ import annotations
 

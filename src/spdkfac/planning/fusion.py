@@ -18,21 +18,26 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from spdkfac.costmodel import AlphaBetaModel
 from spdkfac.planning.merge import Busy, communication_starts, merge_dp, merge_groups
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "FACTOR_EXCHANGES",
     "FUSION_POLICIES",
     "AfterBackward",
+    "AroundGradients",
     "DPFusion",
     "FusionInputs",
     "FusionPlan",
     "FusionPolicy",
     "Layerwise",
     "OptimalFusion",
+    "StreamMerge",
     "ThresholdFusion",
     "communication_starts",
     "merge_dp",
@@ -123,23 +128,22 @@ def plan_threshold(
     return FusionPlan("threshold", tuple(buckets), eager=True)
 
 
+#: A merge rule bound to one plan's sizes and link: one stream's slots (in stream order)
+#: and their ready times to its buckets.
+StreamMerge = Callable[[Sequence[str], Sequence[float]], list[tuple[str, ...]]]
+
+
 def _plan_merged(
     policy: str,
-    merge: Callable[..., list[tuple[str, ...]]],
+    merge: StreamMerge,
     a_order: Sequence[str],
     g_order: Sequence[str],
-    sizes: Mapping[str, int],
     a_ready: Sequence[float],
     g_ready: Sequence[float],
-    model: AlphaBetaModel,
-    bytes_per_element: int,
-    **options: Any,
 ) -> FusionPlan:
     """``merge`` on A (forward order) and G (backward order), buckets launched eagerly."""
     _check_order(a_order, g_order)
-    buckets = merge(a_order, sizes, a_ready, model, bytes_per_element, **options) + merge(
-        g_order, sizes, g_ready, model, bytes_per_element, **options
-    )
+    buckets = merge(a_order, a_ready) + merge(g_order, g_ready)
     return FusionPlan(policy, tuple(buckets), eager=True)
 
 
@@ -157,9 +161,24 @@ def plan_optimal(
     ``a_ready`` / ``g_ready`` are the measured times each factor is handed to the exchange
     (forward and backward respectively; rank 0's, shared so every rank plans alike).
     """
-    return _plan_merged(
-        "optimal", merge_groups, a_order, g_order, sizes, a_ready, g_ready, model, bytes_per_element
-    )
+
+    def merge(order: Sequence[str], ready: Sequence[float]) -> list[tuple[str, ...]]:
+        return merge_groups(order, sizes, ready, model, bytes_per_element)
+
+    return _plan_merged("optimal", merge, a_order, g_order, a_ready, g_ready)
+
+
+class AroundGradients(TypedDict, total=False):
+    """The gradient chunks of a priority schedule, which :func:`plan_dp` plans around.
+
+    Attributes:
+        busy: Link intervals those chunks hold, on the clock of the ready times (empty:
+            none).
+        chunk_elements: Elements per chunk of that schedule (None: calls are not cut).
+    """
+
+    busy: Busy
+    chunk_elements: int | None
 
 
 def plan_dp(
@@ -170,26 +189,16 @@ def plan_dp(
     g_ready: Sequence[float],
     model: AlphaBetaModel,
     bytes_per_element: int = 4,
-    *,
-    busy: Busy = (),
-    chunk_elements: int | None = None,
+    **around: Unpack[AroundGradients],
 ) -> FusionPlan:
     """:func:`~spdkfac.planning.merge.merge_dp` on A and G, like ``optimal``; around the
     gradient chunks of a priority schedule when ``busy`` holds them (``a_ready``,
     ``g_ready`` and ``busy`` then share one clock)."""
-    return _plan_merged(
-        "dp",
-        merge_dp,
-        a_order,
-        g_order,
-        sizes,
-        a_ready,
-        g_ready,
-        model,
-        bytes_per_element,
-        busy=busy,
-        chunk_elements=chunk_elements,
-    )
+
+    def merge(order: Sequence[str], ready: Sequence[float]) -> list[tuple[str, ...]]:
+        return merge_dp(order, sizes, ready, model, bytes_per_element, **around)
+
+    return _plan_merged("dp", merge, a_order, g_order, a_ready, g_ready)
 
 
 @dataclass(frozen=True)
@@ -298,7 +307,7 @@ class ThresholdFusion:
 
 
 def _measured_plan(
-    inputs: FusionInputs, planner: Callable[..., FusionPlan], **options: Any
+    inputs: FusionInputs, planner: Callable[..., FusionPlan], **around: Unpack[AroundGradients]
 ) -> FusionPlan:
     """``planner`` on the measured hand-over times; :class:`ThresholdFusion`'s plan until
     there are some (what the preconditioner runs during the warm-up factor steps)."""
@@ -312,7 +321,7 @@ def _measured_plan(
         inputs.g_ready,
         inputs.allreduce,
         inputs.bytes_per_element,
-        **options,
+        **around,
     )
 
 

@@ -1,9 +1,11 @@
-"""Merge rules of the fusion planners: which consecutive factor slots of one stream travel in
-one all-reduce. Eq. 15 of SPD-KFAC (Shi, Zhang, Li 2021), a greedy pass, and an exact
-dynamic program on the same one-channel timeline (after PACE, Bao et al., INFOCOM 2020),
-which may also plan around link time held by more urgent traffic: the gradient chunks a
-priority schedule (:mod:`spdkfac.planning.schedule`) sends first.
-Pure functions of replicated inputs; :mod:`spdkfac.planning.fusion` wraps them as policies."""
+"""Merge rules of the fusion planners: which consecutive slots of a stream share an all-reduce.
+
+Eq. 15 of SPD-KFAC (Shi, Zhang, Li 2021), a greedy pass, and an exact dynamic program on
+the same one-channel timeline (after PACE, Bao et al., INFOCOM 2020), which may also plan
+around link time held by more urgent traffic: the gradient chunks a priority schedule
+(:mod:`spdkfac.planning.schedule`) sends first. Pure functions of replicated inputs;
+:mod:`spdkfac.planning.fusion` wraps them as policies.
+"""
 
 from __future__ import annotations
 
