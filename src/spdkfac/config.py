@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, get_args
 
 import torch
@@ -15,6 +14,7 @@ from spdkfac.curvature.discovery import BlockSettings
 from spdkfac.forms import FORM_METHODS, FormMethod, InverseForm, inverse_form
 from spdkfac.layers import FactorOptions
 from spdkfac.planning.schedule import SCHEDULER_POLICIES
+from spdkfac.schedules import resolve_float, resolve_interval
 from spdkfac.strategies import AUTO_CANDIDATES, STRATEGIES, AutoStrategy, Strategy
 from spdkfac.support.checks import (
     check_candidates,
@@ -38,10 +38,7 @@ from spdkfac.types import (
 __all__ = [
     "MUTABLE_OPTIONS",
     "KFACConfig",
-    "constructor_signature",
     "resolve_config",
-    "resolve_float",
-    "resolve_interval",
 ]
 
 #: Choices of the dtype options (None: the default of each).
@@ -57,28 +54,6 @@ MUTABLE_OPTIONS = (
     "batchnorm_damping_multiplier",
     "max_inverse_failures",
 )
-
-
-def resolve_float(name: str, schedule: FloatSchedule, step: int, *, allow_zero: bool) -> float:
-    """Evaluate a float-or-callable hyperparameter at ``step`` and validate the result."""
-    value = schedule(step) if callable(schedule) else schedule
-    try:
-        return check_number(name, value, low_inclusive=allow_zero)
-    except ValueError as error:
-        if callable(schedule):
-            raise ValueError(f"{error} (returned by the schedule at step {step})") from None
-        raise
-
-
-def resolve_interval(name: str, schedule: IntSchedule, step: int) -> int:
-    """Evaluate an int-or-callable refresh interval at ``step`` and validate the result."""
-    value = schedule(step) if callable(schedule) else schedule
-    try:
-        return check_int(name, value)
-    except ValueError as error:
-        if callable(schedule):
-            raise ValueError(f"{error} (returned by the schedule at step {step})") from None
-        raise
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -393,29 +368,3 @@ def resolve_config(config: KFACConfig | None, options: Mapping[str, Any]) -> KFA
             f"are {sorted(known)}"
         )
     return replace(config, **options) if config is not None else KFACConfig(**options)
-
-
-def constructor_signature(init: Callable[..., None]) -> inspect.Signature:
-    """``init``'s signature with its ``**options`` replaced by every :class:`KFACConfig`
-    field as a keyword, after its first parameter (for ``help()``, IDEs and ``inspect``;
-    the fields stay defined once, here)."""
-    own = inspect.signature(init).parameters
-    options = [
-        inspect.Parameter(
-            option.name,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=option.default
-            if option.default is not MISSING
-            else option.default_factory()
-            if option.default_factory is not MISSING
-            else inspect.Parameter.empty,
-            annotation=option.type,
-        )
-        for option in fields(KFACConfig)
-    ]
-    runtime = [
-        parameter
-        for name, parameter in own.items()
-        if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD
-    ]
-    return inspect.Signature([runtime[0], *options, *runtime[1:]])

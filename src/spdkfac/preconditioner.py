@@ -12,13 +12,13 @@ import torch
 from torch import Tensor, nn
 
 from spdkfac.comm import BucketLaunches, Communicator, make_communicator
-from spdkfac.config import (
-    KFACConfig,
-    constructor_signature,
-    resolve_config,
-)
+from spdkfac.config import KFACConfig, resolve_config
 from spdkfac.costmodel import CostModel
-from spdkfac.engine.agreement import discover_agreed_blocks, shared_cost_model
+from spdkfac.engine.agreement import (
+    check_runtime_arguments,
+    discover_agreed_blocks,
+    shared_cost_model,
+)
 from spdkfac.engine.assembly import Assembler, EngineParts, Stages
 from spdkfac.engine.autotune import AutoChoice, AutoTuner
 from spdkfac.engine.clip import LearningRates
@@ -30,33 +30,12 @@ from spdkfac.planning.placement import Plan
 from spdkfac.planning.schedule import CommSchedule
 from spdkfac.profiling import Phase, Profiler, span_name
 from spdkfac.strategies import Strategy
+from spdkfac.support.signature import signature_with_options
 
 __all__ = ["KFACPreconditioner"]
 
 _LOG = logging.getLogger("spdkfac")
 _OPTIONS = frozenset(option.name for option in fields(KFACConfig))
-
-
-def _check_runtime_arguments(
-    *, grad_scaler: object, optimizer: object, profile: object, cost_model: object
-) -> None:
-    """Validate the preconditioner's arguments that are not options.
-
-    Raises:
-        ValueError: A wrong type for ``grad_scaler``, ``optimizer`` or ``profile``.
-        TypeError: A ``cost_model`` that is neither a ``CostModel``, a path nor None.
-    """
-    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-        raise ValueError(f"grad_scaler must be a torch.amp.GradScaler or None, got {grad_scaler!r}")
-    if not isinstance(profile, bool):
-        raise ValueError(f"profile must be a bool, got {profile!r}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {optimizer!r}")
-    if cost_model is not None and not isinstance(cost_model, (CostModel, str, os.PathLike)):
-        raise TypeError(
-            f"cost_model must be a CostModel, a path to a calibration JSON or None, "
-            f"got {cost_model!r}"
-        )
 
 
 class KFACPreconditioner:
@@ -112,7 +91,7 @@ class KFACPreconditioner:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        _check_runtime_arguments(
+        check_runtime_arguments(
             grad_scaler=grad_scaler, optimizer=optimizer, profile=profile, cost_model=cost_model
         )
         self.config = resolve_config(config, options)
@@ -287,21 +266,11 @@ class KFACPreconditioner:
     def _tune(self, step: int) -> None:
         """``strategy="auto"``: time the step; switch compositions where the trials say."""
         assert self._auto is not None
-        factor_interval, inverse_interval = self.config.intervals_at(step)
-        following = self._auto.after_step(
-            step,
-            kind="inverse"
-            if self.config.is_inverse_step(step)
-            else "factor"
-            if self.config.is_factor_step(step)
-            else "plain",
-            settled=self._stages.collector.fusion_settled,
-            factor_interval=factor_interval,
-            inverse_interval=inverse_interval,
-        )
+        settled = self._stages.collector.fusion_settled
+        following = self._auto.after_config_step(step, self.config, settled=settled)
         if following is not None and following.name != self.composition:
             self._switch(following)
-        if self._auto.wants_probe(inverse_interval):
+        if self._auto.wants_probe(self.config.intervals_at(step)[1]):
             damping = self.config.damping_at(step)
             self._auto.probe(lambda: self._state.discarded_inverse_phase(self._stages, damping))
         if self._auto.choice is not None and self._communicator.rank == 0:
@@ -309,18 +278,11 @@ class KFACPreconditioner:
         self._auto.started()
 
     def _update_factors(self, *, local_ok: bool) -> bool:
-        """Exchange this step's statistics and fold them into the running averages.
-
-        Returns:
-            False when some rank saw non-finite values; then no factor changes anywhere.
-        """
-        new = self._stages.collector.exchange(local_ok=local_ok)
-        if new is None:
-            return False
+        """Exchange and absorb this step's statistics (False: some rank saw non-finite
+        values, no factor changed anywhere)."""
         decay = self.config.factor_decay_at(self._counters.step - 1)
-        with self.profiler.span(span_name(Phase.FACTOR_COMPUTE, "running_average")):
-            for block in self._blocks:
-                block.absorb(new, decay)
+        if not self._stages.collector.update(local_ok=local_ok, decay=decay):
+            return False
         if not self._warned_empty:
             self._warned_empty = True
             warn_uncaptured(self._stages.final.held())
@@ -430,6 +392,6 @@ class KFACPreconditioner:
         )
 
 
-KFACPreconditioner.__signature__ = constructor_signature(  # type: ignore[attr-defined]
-    KFACPreconditioner.__init__
+KFACPreconditioner.__signature__ = signature_with_options(  # type: ignore[attr-defined]
+    KFACPreconditioner.__init__, KFACConfig
 )

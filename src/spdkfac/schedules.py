@@ -1,4 +1,5 @@
-"""Osawa et al.'s K-FAC schedules: damping warm-up and stale refresh intervals.
+"""Osawa et al.'s K-FAC schedules (damping warm-up, stale refresh intervals), and the
+evaluation of any float-or-callable hyperparameter at a step.
 
 Each schedule is a function of the preconditioner's step counter that a
 :class:`~spdkfac.KFACPreconditioner` option takes (``damping``, ``factor_update_steps``,
@@ -12,8 +13,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from spdkfac.support.checks import check_int, check_number
+from spdkfac.types import FloatSchedule, IntSchedule
 
-__all__ = ["damping_warmup", "stale_interval"]
+__all__ = ["damping_warmup", "resolve_float", "resolve_interval", "stale_interval"]
+
+
+def resolve_float(name: str, schedule: FloatSchedule, step: int, *, allow_zero: bool) -> float:
+    """Evaluate a float-or-callable hyperparameter at ``step`` and validate the result."""
+    value = schedule(step) if callable(schedule) else schedule
+    try:
+        return check_number(name, value, low_inclusive=allow_zero)
+    except ValueError as error:
+        if callable(schedule):
+            raise ValueError(f"{error} (returned by the schedule at step {step})") from None
+        raise
+
+
+def resolve_interval(name: str, schedule: IntSchedule, step: int) -> int:
+    """Evaluate an int-or-callable refresh interval at ``step`` and validate the result."""
+    value = schedule(step) if callable(schedule) else schedule
+    try:
+        return check_int(name, value)
+    except ValueError as error:
+        if callable(schedule):
+            raise ValueError(f"{error} (returned by the schedule at step {step})") from None
+        raise
+
 
 # The schedules are small frozen dataclasses rather than closures so that they pickle
 # (spawned workers receive the config), compare by value and print their parameters.

@@ -3,7 +3,14 @@ blocks), their state, layer discovery and the factor collector (capture + foldin
 
 from __future__ import annotations
 
-from spdkfac.curvature.block import Contribution, CurvatureBlock, Slot
+from spdkfac.curvature.block import (
+    KRONECKER_SECTION,
+    NORMALIZATION_SECTION,
+    Contribution,
+    CurvatureBlock,
+    Slot,
+    StateSection,
+)
 from spdkfac.curvature.capture import ActivationCapture
 from spdkfac.curvature.collector import CollectorSettings, FactorCollector
 from spdkfac.curvature.discovery import (
@@ -28,6 +35,8 @@ from spdkfac.curvature.state import (
 
 __all__ = [
     "BLOCK_RULES",
+    "KRONECKER_SECTION",
+    "NORMALIZATION_SECTION",
     "ActivationCapture",
     "BlockSettings",
     "CollectorSettings",
@@ -40,6 +49,7 @@ __all__ = [
     "KroneckerBlock",
     "NormalizationBlock",
     "Slot",
+    "StateSection",
     "blocks_memory",
     "blocks_state_dict",
     "discover_batchnorm_layers",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -22,17 +22,80 @@ from spdkfac.linalg import packed_dim, unpack_triu
 from spdkfac.planning.placement import FactorSpec
 
 __all__ = [
+    "KRONECKER_SECTION",
+    "NORMALIZATION_SECTION",
+    "STATE_SECTIONS",
     "Contribution",
     "CurvatureBlock",
     "FactorPairState",
     "LocalInverses",
     "ModuleBlock",
     "Slot",
+    "StateSection",
     "full_factor",
 ]
 
 #: One call's statistic for one slot and the number of examples it averages.
 Contribution = tuple[Tensor, int]
+
+
+@dataclass(frozen=True)
+class StateSection:
+    """Where a block family's state sits in a preconditioner's state dict (the layout
+    predates the block families and is kept, so old checkpoints load).
+
+    Attributes:
+        key: The state dict's key.
+        label: Prefix of its error messages (``"BatchNorm "``).
+        primary: Present in every state dict as ``{name: entry}`` (the Kronecker layers,
+            which every preconditioner has); another section is present only when blocks
+            of its family exist, as ``{"mode": mode, "layers": {name: entry}}``.
+    """
+
+    key: str
+    label: str = ""
+    primary: bool = False
+
+    def pack(self, entries: dict[str, Any], mode: str | None) -> Any:
+        """The section's value in a state dict."""
+        return entries if self.primary else {"mode": mode, "layers": entries}
+
+    def entries(self, saved: Any) -> Mapping[str, Any]:
+        """The ``{name: entry}`` of a saved section's value."""
+        entries: Mapping[str, Any] = saved if self.primary else saved.get("layers", {})
+        return entries
+
+    def replaced(self, saved: Any, entries: dict[str, Any]) -> Any:
+        """A saved section's value with its entries replaced (its mode kept)."""
+        return entries if self.primary else {**saved, "layers": entries}
+
+    def check(self, saved: Any, mode: str | None, count: int) -> None:
+        """Raise unless a saved section (None: absent) fits ``count`` blocks of this
+        section in ``mode``.
+
+        Raises:
+            ValueError: The section is saved without blocks here, or missing with blocks
+                here, or saved in another mode.
+        """
+        if self.primary:
+            return
+        kind = f"{self.label}curvature"
+        if (saved is None) != (count == 0):
+            raise ValueError(
+                f"state_dict and preconditioner disagree on {kind}: saved "
+                f"{'none' if saved is None else saved.get('mode')!r}, "
+                f"{self.key}={mode!r} with {count} {self.label}layers"
+            )
+        if saved is not None and saved.get("mode") != mode:
+            raise ValueError(f"state_dict {kind} mode {saved.get('mode')!r} is not {mode!r}")
+
+
+#: Linear, convolution and embedding blocks (Kronecker factors).
+KRONECKER_SECTION = StateSection("layers", primary=True)
+#: Normalization blocks (the name predates the other normalization layers).
+NORMALIZATION_SECTION = StateSection("batchnorm", "BatchNorm ")
+#: Every section a block family declares, in state-dict order (a new family adds its own).
+STATE_SECTIONS: tuple[StateSection, ...] = (KRONECKER_SECTION, NORMALIZATION_SECTION)
 
 
 @dataclass(frozen=True)
@@ -65,13 +128,12 @@ class CurvatureBlock(Protocol):
     Attributes:
         name: The module's name in the model.
         module: The module.
-        section: The state-dict section holding its state (``"layers"`` or
-            ``"batchnorm"``).
+        section: The state-dict section holding its state.
     """
 
     name: str
     module: nn.Module
-    section: str
+    section: StateSection
 
     @property
     def device(self) -> torch.device:

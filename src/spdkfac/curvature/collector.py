@@ -262,6 +262,21 @@ class FactorCollector:
         """Whether every statistic captured this step is finite."""
         return all(is_finite(p.total) for p in self._pending.values() if p.total is not None)
 
+    def update(self, *, local_ok: bool, decay: float) -> bool:
+        """Exchange this step's statistics (:meth:`exchange`) and fold them into every
+        block's running averages with factor decay ``decay``. Collective.
+
+        Returns:
+            False when some rank saw non-finite values; then no factor changes anywhere.
+        """
+        new = self.exchange(local_ok=local_ok)
+        if new is None:
+            return False
+        with self._profiler.span(span_name(Phase.FACTOR_COMPUTE, "running_average")):
+            for block in self._blocks.values():
+                block.absorb(new, decay)
+        return True
+
     def exchange(self, *, local_ok: bool) -> dict[str, Tensor | None] | None:
         """This step's statistics averaged over all ranks (weighted by examples), by slot.
 

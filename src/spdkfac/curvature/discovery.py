@@ -252,7 +252,7 @@ def discover_blocks(
         elif any(p.requires_grad for p in module.parameters(recurse=False)):
             unsupported[type(module).__name__] += 1
     found = _drop_shared(found)
-    if not any(block.section == "layers" for block in found.values()):
+    if not any(block.section.primary for block in found.values()):
         raise ValueError(
             "model has no layer K-FAC supports (nn.Linear, nn.Conv1d/nn.Conv2d, "
             "nn.Embedding) outside skip_layers"
@@ -272,9 +272,7 @@ def discover_blocks(
             stacklevel=4,
         )
     blocks = list(found.values())
-    return [b for b in blocks if b.section == "layers"] + [
-        b for b in blocks if b.section != "layers"
-    ]
+    return [b for b in blocks if b.section.primary] + [b for b in blocks if not b.section.primary]
 
 
 def discover_layers(

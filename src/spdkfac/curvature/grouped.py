@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from spdkfac.curvature.block import (
+    KRONECKER_SECTION,
     Contribution,
     FactorPairState,
     LocalInverses,
@@ -45,7 +46,7 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
         factor_dtype: Storage dtype of the running factors (None: :attr:`dtype`).
     """
 
-    section = "layers"
+    section = KRONECKER_SECTION
 
     @property
     def groups(self) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from torch import Tensor
 
 from spdkfac.curvature.block import (
+    KRONECKER_SECTION,
     Contribution,
     FactorPairState,
     ModuleBlock,
@@ -42,7 +43,7 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
         factor_dtype: Storage dtype of the running factors (None: :attr:`dtype`).
     """
 
-    section = "layers"
+    section = KRONECKER_SECTION
     symmetric_factors = (True, True)
 
     @property

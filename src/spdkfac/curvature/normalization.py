@@ -18,7 +18,13 @@ from collections.abc import Mapping
 
 from torch import Tensor, nn
 
-from spdkfac.curvature.block import Contribution, LocalInverses, ModuleBlock, Slot
+from spdkfac.curvature.block import (
+    NORMALIZATION_SECTION,
+    Contribution,
+    LocalInverses,
+    ModuleBlock,
+    Slot,
+)
 from spdkfac.curvature.state import running_average
 from spdkfac.layers import LOCAL_GRADIENTS, GradientAccess
 from spdkfac.layers.batchnorm import precondition_units, unit_inverses
@@ -46,7 +52,7 @@ class NormalizationBlock(LocalInverses, ModuleBlock):
         damping_multiplier: ρ > 0: blocks are damped with ρ·γ.
     """
 
-    section = "batchnorm"
+    section = NORMALIZATION_SECTION
 
     def __init__(
         self,

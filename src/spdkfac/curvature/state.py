@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from spdkfac.curvature.block import CurvatureBlock
+from spdkfac.curvature.block import STATE_SECTIONS, CurvatureBlock, StateSection
 from spdkfac.linalg import pack_triu, unpack_triu
 
 __all__ = [
@@ -78,13 +78,12 @@ def symmetric_running_average(current: Tensor | None, new: Tensor, decay: float)
     return running_average(current, new, decay)
 
 
-#: Sections of a preconditioner's state dict by block family, with the prefix their
-#: error messages use (the format predates the blocks and is kept for old checkpoints).
-_SECTIONS = {"layers": "", "batchnorm": "BatchNorm "}
-
-
 def _is_inverse(key: str) -> bool:
     return key.endswith("inverse")
+
+
+def _members(blocks: Sequence[CurvatureBlock], section: StateSection) -> list[CurvatureBlock]:
+    return [block for block in blocks if block.section == section]
 
 
 def blocks_state_dict(
@@ -94,21 +93,24 @@ def blocks_state_dict(
     inverses: bool = True,
     states: Mapping[str, Mapping[str, Tensor | None]] | None = None,
 ) -> dict[str, Any]:
-    """Copies of every block's tensors: ``{"layers": …}`` and, when normalization blocks
-    exist, ``{"batchnorm": {"mode": mode, "layers": …}}``; inverses as None unless
-    ``inverses``. ``states`` replaces the blocks' own (e.g. gathered from their owners)."""
-    sections: dict[str, dict[str, dict[str, Tensor | None]]] = {"layers": {}}
-    for block in blocks:
-        state = block.state() if states is None else states[block.name]
-        sections.setdefault(block.section, {})[block.name] = {
-            key: None
-            if value is None or (_is_inverse(key) and not inverses)
-            else value.detach().clone()
-            for key, value in state.items()
-        }
-    result: dict[str, Any] = {"layers": sections.pop("layers")}
-    if "batchnorm" in sections:
-        result["batchnorm"] = {"mode": mode, "layers": sections["batchnorm"]}
+    """Copies of every block's tensors, by each block's :class:`StateSection` (a
+    non-primary section only when it has blocks); inverses as None unless ``inverses``.
+    ``states`` replaces the blocks' own (e.g. gathered from their owners)."""
+    result: dict[str, Any] = {}
+    for section in STATE_SECTIONS:
+        members = _members(blocks, section)
+        if not members and not section.primary:
+            continue
+        entries = {}
+        for block in members:
+            state = block.state() if states is None else states[block.name]
+            entries[block.name] = {
+                key: None
+                if value is None or (_is_inverse(key) and not inverses)
+                else value.detach().clone()
+                for key, value in state.items()
+            }
+        result[section.key] = section.pack(entries, mode)
     return result
 
 
@@ -122,10 +124,11 @@ def without_inverses(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             for name, entry in layers.items()
         }
 
-    result = {**state_dict, "layers": strip(state_dict["layers"])}
-    if state_dict.get("batchnorm") is not None:
-        batchnorm = state_dict["batchnorm"]
-        result["batchnorm"] = {**batchnorm, "layers": strip(batchnorm.get("layers", {}))}
+    result = dict(state_dict)
+    for section in STATE_SECTIONS:
+        saved = state_dict.get(section.key)
+        if saved is not None:
+            result[section.key] = section.replaced(saved, strip(section.entries(saved)))
     return result
 
 
@@ -167,30 +170,13 @@ def load_blocks_state(
     Raises:
         ValueError: When the sections, the mode, the block names or a shape differ.
     """
-    by_section: dict[str, list[CurvatureBlock]] = {section: [] for section in _SECTIONS}
-    for block in blocks:
-        by_section[block.section].append(block)
-    saved_batchnorm = state_dict.get("batchnorm")
-    if (saved_batchnorm is None) != (not by_section["batchnorm"]):
-        raise ValueError(
-            "state_dict and preconditioner disagree on BatchNorm curvature: saved "
-            f"{'none' if saved_batchnorm is None else saved_batchnorm.get('mode')!r}, "
-            f"batchnorm={mode!r} with {len(by_section['batchnorm'])} BatchNorm layers"
-        )
-    sections = {"layers": state_dict["layers"]}
-    if saved_batchnorm is not None:
-        if saved_batchnorm.get("mode") != mode:
-            raise ValueError(
-                f"state_dict BatchNorm curvature mode {saved_batchnorm.get('mode')!r} "
-                f"is not {mode!r}"
-            )
-        sections["batchnorm"] = saved_batchnorm.get("layers", {})
-    restored = [
-        pair
-        for section, prefix in _SECTIONS.items()
-        if section in sections
-        for pair in _restored(by_section[section], sections[section], prefix)
-    ]
+    restored = []
+    for section in STATE_SECTIONS:
+        members = _members(blocks, section)
+        saved = state_dict[section.key] if section.primary else state_dict.get(section.key)
+        section.check(saved, mode, len(members))
+        if saved is not None:
+            restored.extend(_restored(members, section.entries(saved), section.label))
     stale = False
     for block, entry in restored:
         block.restore(entry)

@@ -1,7 +1,9 @@
-"""What every rank must agree on before training: options, registered layers, cost model.
+"""Construction-time checks: the preconditioner's arguments, and what every rank must
+agree on before training (options, registered layers, cost model).
 
-Both checks are collectives issued once, at construction, in the same order on every rank;
-a disagreement or a local failure becomes the same error on every rank instead of a hang.
+The agreement checks are collectives issued once, at construction, in the same order on
+every rank; a disagreement or a local failure becomes the same error on every rank instead
+of a hang. The argument checks run before any collective.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel, resolve_cost_model
 from spdkfac.curvature import CurvatureBlock, discover_blocks
 from spdkfac.curvature.discovery import check_materialized
 
-__all__ = ["check_agreement", "shared_cost_model"]
+__all__ = [
+    "check_agreement",
+    "check_runtime_arguments",
+    "discover_agreed_blocks",
+    "shared_cost_model",
+]
 
 
 def check_agreement(
@@ -100,3 +107,25 @@ def discover_agreed_blocks(
     check_agreement(communicator, config.fingerprint(), blocks, local_error)
     assert blocks is not None
     return blocks
+
+
+def check_runtime_arguments(
+    *, grad_scaler: object, optimizer: object, profile: object, cost_model: object
+) -> None:
+    """Validate the preconditioner's arguments that are not options.
+
+    Raises:
+        ValueError: A wrong type for ``grad_scaler``, ``optimizer`` or ``profile``.
+        TypeError: A ``cost_model`` that is neither a ``CostModel``, a path nor None.
+    """
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise ValueError(f"grad_scaler must be a torch.amp.GradScaler or None, got {grad_scaler!r}")
+    if not isinstance(profile, bool):
+        raise ValueError(f"profile must be a bool, got {profile!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {optimizer!r}")
+    if cost_model is not None and not isinstance(cost_model, (CostModel, str, os.PathLike)):
+        raise TypeError(
+            f"cost_model must be a CostModel, a path to a calibration JSON or None, "
+            f"got {cost_model!r}"
+        )

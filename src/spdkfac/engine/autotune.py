@@ -226,6 +226,24 @@ class AutoTuner:
         """Mark the start of the next iteration (after a step, and after any switch)."""
         self._mark = self._clock()
 
+    def after_config_step(self, step: int, config: KFACConfig, *, settled: bool) -> Strategy | None:
+        """:meth:`after_step` with the step's kind and intervals read from ``config``."""
+        factor_interval, inverse_interval = config.intervals_at(step)
+        kind = (
+            "inverse"
+            if config.is_inverse_step(step)
+            else "factor"
+            if config.is_factor_step(step)
+            else "plain"
+        )
+        return self.after_step(
+            step,
+            kind=kind,
+            settled=settled,
+            factor_interval=factor_interval,
+            inverse_interval=inverse_interval,
+        )
+
     def after_step(
         self,
         step: int,

@@ -10,6 +10,7 @@ from typing import Any
 from spdkfac.comm import Communicator
 from spdkfac.config import KFACConfig
 from spdkfac.curvature import (
+    NORMALIZATION_SECTION,
     CurvatureBlock,
     blocks_memory,
     blocks_state_dict,
@@ -53,11 +54,11 @@ class StateKeeper:
 
     def kronecker(self) -> dict[str, CurvatureBlock]:
         """The Kronecker-factored blocks by name (the state dict's main section)."""
-        return {block.name: block for block in self._blocks if block.section == "layers"}
+        return {block.name: block for block in self._blocks if block.section.primary}
 
     def normalization(self) -> dict[str, CurvatureBlock]:
         """The normalization blocks by name."""
-        return {block.name: block for block in self._blocks if block.section == "batchnorm"}
+        return {b.name: b for b in self._blocks if b.section is NORMALIZATION_SECTION}
 
     def seen_layers(self, stages: Stages) -> list[str]:
         """Kronecker-factored module names captured so far, in forward order."""
