@@ -17,6 +17,24 @@ MAX_PARAMETERS = 8
 MAX_AUTO_COMPARISONS = 1
 MAX_ROOT_MODULES = 10
 MAX_MODULE_LINES = 400
+#: The package's floors, lowest first: a module may import only from lower floors (and
+#: from its own package). docs/architecture.md draws the same picture.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("types",),
+    ("support",),
+    ("linalg", "costmodel", "profiling", "layers", "schedules", "data", "models"),
+    ("forms", "planning"),
+    ("comm", "layout"),
+    ("curvature",),
+    ("strategies",),
+    ("config",),
+    ("engine",),
+    ("preconditioner", "calibrate"),
+    ("sim", "training"),
+    ("bench",),
+    ("cli", "__init__"),
+    ("__main__",),
+)
 #: The CLI's argument-parser builders are exempt from the function-length limit.
 PARSER_BUILDERS = ("cli/",)
 
@@ -49,6 +67,18 @@ def _is_parser_builder(path: str, name: str) -> bool:
     return path.startswith(PARSER_BUILDERS) and ("parser" in name or name.startswith("add_"))
 
 
+def _upward(rel: str, node: ast.ImportFrom, floor: dict[str, int]) -> list[str]:
+    """The imports of ``node`` (in module ``rel``) that reach a floor above its own."""
+    unit = Path(rel).with_suffix("").parts[0]
+    parts = (node.module or "").split(".")
+    targets = [alias.name for alias in node.names] if len(parts) == 1 else [parts[1]]
+    return [
+        f"{rel}:{node.lineno} {unit} -> {target}"
+        for target in targets
+        if target != unit and target in floor and floor[target] >= floor[unit]
+    ]
+
+
 def measure() -> dict[str, list[str]]:
     """Every violation, by kind."""
     found: dict[str, list[str]] = {
@@ -57,7 +87,9 @@ def measure() -> dict[str, list[str]]:
         "auto comparisons": [],
         "long modules": [],
         "root modules": [],
+        "upward imports": [],
     }
+    floor = {unit: level for level, units in enumerate(FLOORS) for unit in units}
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         text = path.read_text()
@@ -74,10 +106,16 @@ def measure() -> dict[str, list[str]]:
                 count = _parameters(node)
                 if count > MAX_PARAMETERS:
                     found["long signatures"].append(f"{where}: {count} parameters")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("spdkfac"):
+                found["upward imports"].extend(_upward(rel, node, floor))
             if isinstance(node, ast.Compare):
                 operands = [node.left, *node.comparators]
                 if any(isinstance(o, ast.Constant) and o.value == "auto" for o in operands):
                     found["auto comparisons"].append(f"{rel}:{node.lineno}")
+    units = {p.stem for p in ROOT.glob("*.py")} | {p.name for p in ROOT.iterdir() if p.is_dir()}
+    found["upward imports"].extend(
+        f"{unit}: on no floor" for unit in sorted(units - set(floor) - {"__pycache__"})
+    )
     root = [p.name for p in ROOT.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
     if len(root) > MAX_ROOT_MODULES:
         found["root modules"] = sorted(root)
