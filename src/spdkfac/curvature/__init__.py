@@ -19,7 +19,6 @@ from spdkfac.curvature.discovery import (
     discover_batchnorm_layers,
     discover_blocks,
     discover_layers,
-    unwrap_model,
 )
 from spdkfac.curvature.grouped import GroupedConvBlock
 from spdkfac.curvature.kronecker import DiagonalKroneckerBlock, KroneckerBlock
@@ -57,6 +56,5 @@ __all__ = [
     "discover_layers",
     "load_blocks_state",
     "running_average",
-    "unwrap_model",
     "without_inverses",
 ]

@@ -50,33 +50,7 @@ __all__ = [
     "discover_batchnorm_layers",
     "discover_blocks",
     "discover_layers",
-    "unwrap_model",
 ]
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside ``DistributedDataParallel`` and ``torch.compile`` wrappers
-    (in any nesting), so layer names and state keys are the user's either way.
-
-    Raises:
-        ValueError: A module compiled with ``fullgraph=True``.
-    """
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            inner = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            if getattr(getattr(model, "dynamo_ctx", None), "fullgraph", False):
-                raise ValueError(
-                    "model: torch.compile(..., fullgraph=True) is not supported: K-FAC's "
-                    "capture hooks run Python that Dynamo cannot put in one graph; compile "
-                    "with the default fullgraph=False (the hooks then break the graph only "
-                    "around the registered layers)"
-                )
-            inner = model._orig_mod  # torch.compile's OptimizedModule
-        else:
-            return model
-        assert isinstance(inner, nn.Module)
-        model = inner
 
 
 @dataclass(frozen=True)
