@@ -19,9 +19,10 @@ from spdkfac.engine.agreement import (
     discover_agreed_blocks,
     shared_cost_model,
 )
-from spdkfac.engine.assembly import Assembler, EngineParts, Stages
+from spdkfac.engine.assembly import Assembler, Stages
 from spdkfac.engine.autotune import AutoChoice, AutoTuner
 from spdkfac.engine.clip import LearningRates
+from spdkfac.engine.final import EngineParts
 from spdkfac.engine.guard import GradientGuard, warn_uncaptured
 from spdkfac.engine.state import Counters, StateKeeper
 from spdkfac.layout import layout_of

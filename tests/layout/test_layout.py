@@ -13,7 +13,7 @@ from spdkfac import KFACConfig
 from spdkfac.comm import LocalCommunicator
 from spdkfac.costmodel import DEFAULT_COST_MODEL
 from spdkfac.curvature import discover_blocks
-from spdkfac.engine.final import StageInputs
+from spdkfac.engine.final import EngineParts, StageInputs
 from spdkfac.engine.owners import OwnerStage
 from spdkfac.engine.replicated import ReplicatedStage
 from spdkfac.layout import DataParallelLayout, PlainLayout, layout_of
@@ -93,7 +93,8 @@ def test_the_final_stages_read_and_write_gradients_through_the_layout(stage: typ
     layout = _Layout(model)
     specs = [spec for block in blocks for spec in block.inverse_specs()]
     plan = PLACEMENT_POLICIES["layer-owners"].plan(specs, 1, DEFAULT_COST_MODEL)
-    inputs = StageInputs(blocks, LocalCommunicator(), layout, Profiler(), plan)
+    parts = EngineParts(blocks, LocalCommunicator(), layout, DEFAULT_COST_MODEL, Profiler(), bool)
+    inputs = StageInputs(parts, plan)
     final = stage(inputs)
     gradients, usable = final.collect()
     assert usable and set(layout.gradients.reads) == set(plain)

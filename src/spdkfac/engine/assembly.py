@@ -5,7 +5,7 @@ from its axis objects. ``strategy="auto"`` builds the stages again for each cand
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -14,20 +14,17 @@ from spdkfac.comm.ddp_hooks import SwitchableHook
 from spdkfac.comm.pipeline import FactorRoute
 from spdkfac.comm.scheduler import CommScheduler
 from spdkfac.config import KFACConfig
-from spdkfac.costmodel import CostModel
-from spdkfac.curvature import CurvatureBlock, FactorCollector
-from spdkfac.engine.final import FinalStage, StageInputs
+from spdkfac.curvature import FactorCollector
+from spdkfac.engine.final import EngineParts, FinalStage, StageInputs
 from spdkfac.engine.inversion import InversePhase, ResultDelivery
 from spdkfac.engine.owners import OwnerStage
 from spdkfac.engine.replicated import ReplicatedStage
-from spdkfac.layout import ParameterLayout
 from spdkfac.planning.final import OWNER_COMPUTES, REPLICATED, FinalPolicy
 from spdkfac.planning.placement import Plan
 from spdkfac.planning.schedule import FACTORS, GRADIENTS
-from spdkfac.profiling import Profiler
 from spdkfac.strategies import Strategy
 
-__all__ = ["FINAL_STAGES", "Assembler", "EngineParts", "Stages"]
+__all__ = ["FINAL_STAGES", "Assembler", "Stages"]
 
 #: The final stage each final-stage policy builds.
 FINAL_STAGES: Mapping[FinalPolicy, Callable[[StageInputs], FinalStage]] = MappingProxyType(
@@ -43,29 +40,6 @@ class Stages:
     final: FinalStage
     inverses: InversePhase
     collector: FactorCollector
-
-
-@dataclass(frozen=True)
-class EngineParts:
-    """What every stage of a preconditioner is built from, whatever the composition.
-
-    Attributes:
-        blocks: The curvature blocks, in the same order on every rank.
-        communicator: The group.
-        layout: Where parameters and gradients live.
-        costs: The cost model the placement and the fusion plan with.
-        profiler: Where spans are recorded.
-        enabled: Whether this step's passes are captured.
-        grad_scale: The loss scale of a ``GradScaler`` (None without one).
-    """
-
-    blocks: Sequence[CurvatureBlock]
-    communicator: Communicator
-    layout: ParameterLayout
-    costs: CostModel
-    profiler: Profiler
-    enabled: Callable[[], bool]
-    grad_scale: Callable[[], float] | None = None
 
 
 class Assembler:
@@ -144,15 +118,7 @@ class Assembler:
     def _stage_inputs(self, plan: Plan, scheduler: CommScheduler | None) -> StageInputs:
         parts = self.parts
         gradients = None if scheduler is None else scheduler.stream(GRADIENTS, parts.communicator)
-        return StageInputs(
-            parts.blocks,
-            parts.communicator,
-            parts.layout,
-            parts.profiler,
-            plan,
-            hooks=self.hooks,
-            gradients=gradients,
-        )
+        return StageInputs(parts, plan, hooks=self.hooks, gradients=gradients)
 
     def _route(
         self, composition: Strategy, plan: Plan, scheduler: CommScheduler | None

@@ -1,9 +1,9 @@
 """The final stage of a step: one Protocol for the replicated and the owner-computes
-stages, and what both are built from."""
+stages, and what every stage is built from."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -11,12 +11,36 @@ from torch import Tensor
 
 from spdkfac.comm import BucketLaunches, Communicator
 from spdkfac.comm.ddp_hooks import SwitchableHook
+from spdkfac.costmodel import CostModel
 from spdkfac.curvature import CurvatureBlock
 from spdkfac.layout import ParameterLayout
 from spdkfac.planning.placement import Plan
 from spdkfac.profiling import Profiler
 
-__all__ = ["FinalStage", "StageInputs"]
+__all__ = ["EngineParts", "FinalStage", "StageInputs"]
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What every stage of a preconditioner is built from, whatever the composition.
+
+    Attributes:
+        blocks: The curvature blocks, in the same order on every rank.
+        communicator: The group.
+        layout: Where parameters and gradients live.
+        costs: The cost model the placement and the fusion plan with.
+        profiler: Where spans are recorded.
+        enabled: Whether this step's passes are captured.
+        grad_scale: The loss scale of a ``GradScaler`` (None without one).
+    """
+
+    blocks: Sequence[CurvatureBlock]
+    communicator: Communicator
+    layout: ParameterLayout
+    costs: CostModel
+    profiler: Profiler
+    enabled: Callable[[], bool]
+    grad_scale: Callable[[], float] | None = None
 
 
 @dataclass(frozen=True)
@@ -24,20 +48,14 @@ class StageInputs:
     """What a final stage is built from (the assembler's, for one composition).
 
     Attributes:
-        blocks: The curvature blocks, in the same order on every rank.
-        communicator: The group.
-        layout: Where parameters and gradients live.
-        profiler: Where spans are recorded.
+        parts: The blocks, group, layout, costs and profiler.
         plan: The composition's placement (owners of the placed factors).
         hooks: The gradient-routing hook registered once on a DDP model (None otherwise).
         gradients: The communicator gradient buckets are reduced over when routed (a
-            communication scheduler's gradient stream; None: ``communicator``).
+            communication scheduler's gradient stream; None: the group).
     """
 
-    blocks: Sequence[CurvatureBlock]
-    communicator: Communicator
-    layout: ParameterLayout
-    profiler: Profiler
+    parts: EngineParts
     plan: Plan
     hooks: SwitchableHook | None = None
     gradients: Communicator | None = None

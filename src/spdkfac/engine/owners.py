@@ -69,22 +69,23 @@ class OwnerStage:
     """Gradients to owners, owners precondition, all-gather (see the module docstring).
 
     Args:
-        inputs: The blocks, the group, the layout, the profiler, the plan whose owners
-            precondition, and (for a layout whose gradient reduction is routed, on several
-            ranks) the routing hook and the communicator buckets are reduced over.
+        inputs: The engine's parts, the plan whose owners precondition, and (for a layout
+            whose gradient reduction is routed, on several ranks) the routing hook and the
+            communicator buckets are reduced over.
 
     Raises:
         ValueError: When the placement splits a layer.
     """
 
     def __init__(self, inputs: StageInputs) -> None:
-        blocks, communicator = inputs.blocks, inputs.communicator
+        parts = inputs.parts
+        blocks, communicator = parts.blocks, parts.communicator
         self._blocks = blocks
         self._communicator = communicator
-        self._profiler = inputs.profiler
-        self._layout = inputs.layout
+        self._profiler = parts.profiler
+        self._layout = parts.layout
         self.owner_of = block_owners(blocks, inputs.plan)
-        self._parameters = [p for p in inputs.layout.module.parameters() if p.requires_grad]
+        self._parameters = [p for p in parts.layout.module.parameters() if p.requires_grad]
         self._block_parameters = {
             block.name: [p for p in block.module.parameters(recurse=False) if p.requires_grad]
             for block in blocks
@@ -96,7 +97,7 @@ class OwnerStage:
             if self.owner_of[name] != EVERYONE
         }
         self._param_owner = param_owner
-        self.reduces_in_step = not inputs.layout.routes_gradients or communicator.world_size == 1
+        self.reduces_in_step = not parts.layout.routes_gradients or communicator.world_size == 1
         #: Launch times of the routed buckets (None when gradients reduce at the step).
         self.launches: BucketLaunches | None = None
         if not self.reduces_in_step:

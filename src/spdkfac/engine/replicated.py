@@ -36,17 +36,18 @@ class ReplicatedStage:
     """The final stage when every rank holds every averaged gradient (module docstring).
 
     Args:
-        inputs: The blocks, the group, the layout and the profiler (the plan is unused:
-            every rank preconditions every block).
+        inputs: The engine's parts (the plan is unused: every rank preconditions every
+            block).
     """
 
     launches: BucketLaunches | None = None
 
     def __init__(self, inputs: StageInputs) -> None:
-        self._blocks = inputs.blocks
-        self._communicator = inputs.communicator
-        self._profiler = inputs.profiler
-        self._layout = inputs.layout
+        parts = inputs.parts
+        self._blocks = parts.blocks
+        self._communicator = parts.communicator
+        self._profiler = parts.profiler
+        self._layout = parts.layout
 
     def held(self) -> list[CurvatureBlock]:
         """The blocks whose factors this rank keeps: all of them."""
