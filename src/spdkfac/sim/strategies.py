@@ -1,13 +1,16 @@
 """Strategies as the real run composes them, planned with the real planners.
 
 A :class:`~spdkfac.strategies.Strategy` is a row of the one strategy table (a fusion
-policy plus an inverse placement), shared with the preconditioner and ``spdkfac bench``.
+policy plus an inverse placement), shared with the preconditioner and ``spdkfac bench``;
+:func:`selection` resolves a name (``"auto"`` through
+:attr:`~spdkfac.config.KFACConfig.selection`, an :class:`~spdkfac.strategies.AutoStrategy`).
 :func:`prepare` makes, for one workload, hardware and world size, exactly the plans a
-real ``KFACPreconditioner`` would: the inverse :class:`~spdkfac.planning.placement.Plan` from
-:func:`~spdkfac.planning.placement.plan_inversions`, the broadcast grouping of
-:func:`~spdkfac.planning.broadcasts.broadcast_groups` and the factor buckets of
-:mod:`spdkfac.planning.fusion`; the ``optimal`` policy plans from the hand-over times the
-compute-only timeline gives, as the real one plans from rank 0's measurements. DDP's
+real ``KFACPreconditioner`` would: the inverse :class:`~spdkfac.planning.placement.Plan` of
+the workload's factors (its blocks' ``inverse_specs``, priced in its inverse form) from
+:func:`~spdkfac.planning.placement.plan_inversions`, the row's broadcast grouping (in the
+form's wire size) and the factor buckets of :mod:`spdkfac.planning.fusion`; the
+``optimal`` policy plans from the hand-over times the compute-only timeline gives, as the
+real one plans from rank 0's measurements. DDP's
 gradient buckets follow the order gradients become final, with its 1 MiB first bucket.
 
 A row with ``owner_computes`` (Osawa et al. 2019) is planned the same way with its own
