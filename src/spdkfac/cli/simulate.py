@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from spdkfac.cli.arguments import positive_int
 from spdkfac.config import KFACConfig
 from spdkfac.forms import FORM_METHODS
+from spdkfac.planning.schedule import SCHEDULER_POLICIES
 from spdkfac.sim import (
     DEFAULT_STRATEGIES,
     MAX_RANK_PROGRAMS,
@@ -269,8 +270,10 @@ def _check_size(hardware: Hardware, workers: int, model: str) -> None:
 
 
 def _label(strategy: str, scheduler: str) -> str:
-    """A result's key: the strategy, suffixed by a scheduler other than fifo."""
-    return strategy if scheduler == "fifo" else f"{strategy}+{scheduler}"
+    """A result's key: the strategy, suffixed by a scheduler that orders the traffic
+    (not fifo)."""
+    ordered = SCHEDULER_POLICIES[scheduler].orders_traffic
+    return f"{strategy}+{scheduler}" if ordered else strategy
 
 
 def run(args: argparse.Namespace) -> int:
