@@ -320,3 +320,17 @@ def test_planner_uses_a_saved_model(tmp_path: Path) -> None:
     assert never.owners == (EVERY_RANK,) * len(specs)  # recomputing beats a 10 s broadcast
     assert EVERY_RANK not in always.owners  # a free broadcast: everything communicated
     assert set(always.owners) == {0, 1}
+
+
+def test_results_are_priced_by_their_wire_elements_and_compute_scale() -> None:
+    model = CostModel(
+        inverse=PolynomialInverseModel(c0=1.0, c2=0.0, c3=1.0),
+        broadcast=AlphaBetaModel(alpha=3.0, beta=0.5),
+        allreduce=AlphaBetaModel(alpha=0.0, beta=0.0),
+        bytes_per_element=2,
+    )
+    assert model.inverse_seconds(4) == 65.0
+    assert model.inverse_seconds(4, 4.5) == 4.5 * 65.0
+    # Default: a packed triangle, d(d + 1)/2 = 10 elements of 2 bytes at 0.5 s per byte.
+    assert model.broadcast_seconds(4) == 3.0 + 10.0
+    assert model.broadcast_seconds(4, 20) == 3.0 + 20.0  # an eigen-basis: d² + d

@@ -180,3 +180,20 @@ def test_a_checkpoint_of_another_form_loads_and_recomputes_its_inverses() -> Non
         KFACPreconditioner(_model(), inverse_method="eigenbasis")
     with pytest.raises(ValueError, match="inverse_dtype"):
         KFACPreconditioner(_model(), inverse_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("method", FORM_METHODS)
+def test_registered_blocks_describe_their_factors_in_their_form(method: str) -> None:
+    """What placement prices: each placed factor's wire elements and compute scale are
+    its block's form's (an embedding's diagonal A is not placed)."""
+    model = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 3))
+    precond = KFACPreconditioner(model, inverse_method=method)
+    specs = list(precond.plan.factors)
+    assert [(s.key, s.dim) for s in specs] == [("0/G", 4), ("1/A", 5), ("1/G", 3)]
+    form = inverse_form(method)
+    for spec in specs:
+        assert spec.wire_elements == form.wire_size(spec.dim)
+        assert spec.compute_scale == form.compute_scale
+    sizes = {"cholesky": 15, "eigen": 15, "eigen-basis": 30}  # d = 5: d(d+1)/2 or d² + d
+    assert specs[1].wire_elements == sizes[method]
+    assert (form.compute_scale == 1.0) == (method == "cholesky")

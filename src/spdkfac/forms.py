@@ -17,12 +17,28 @@ form damps by about γ·(λ_A + λ_G)), costs two more products per step and tra
 
 Results are stored in ``dtype`` (the ``inverse_dtype`` option; decompositions always run
 in at least float32) and applied in the gradient's dtype (promoted with theirs).
+
+**Costs.** Each form states what one result costs, so the placement planners, the cost
+model's predictions and the simulator price it as the run computes and sends it:
+:meth:`InverseForm.wire_size` (elements in a broadcast) and
+:attr:`InverseForm.compute_scale`, its compute time relative to the cost model's one
+inverse-time curve (:class:`~spdkfac.costmodel.PolynomialInverseModel`), which is fitted
+to damped inverses by Cholesky (the default cost model, and ``spdkfac calibrate``'s default
+``--method cholesky``). The scales (:data:`COMPUTE_SCALES`) were measured on a 2-core
+AMD EPYC (torch 2.13, one thread; ``benchmarks/measure_sim_form_costs.py``):
+over d = 384…2048 a clamped ``eigh`` plus the reconstruction ``Q diag(1/(λ+γ)) Qᵀ`` took
+4.5-5.5x a Cholesky inverse, the ``eigh`` of the eigen-basis alone 4.2-4.7x; below
+d ≈ 128, where the per-call floor dominates, both are nearer 2.5-3x. They are CPU
+figures, not measured on a GPU (the simulator's GPU presets use them as they are). A cost
+model calibrated with ``--method eigen`` already prices an eigendecomposition, so these
+scales over-price it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Literal
 
 import torch
@@ -43,6 +59,7 @@ from spdkfac.linalg import (
 )
 
 __all__ = [
+    "COMPUTE_SCALES",
     "FORM_METHODS",
     "DampedInverse",
     "EigenBasis",
@@ -54,6 +71,11 @@ __all__ = [
 #: Values of the ``inverse_method`` option.
 FormMethod = Literal["cholesky", "eigen", "eigen-basis"]
 FORM_METHODS: tuple[str, ...] = ("cholesky", "eigen", "eigen-basis")
+#: Compute time of one result of each form relative to a damped inverse by Cholesky (the
+#: cost model's inverse-time fit); measured, see the module docstring.
+COMPUTE_SCALES: Mapping[str, float] = MappingProxyType(
+    {"cholesky": 1.0, "eigen": 5.0, "eigen-basis": 4.5}
+)
 
 
 class InverseForm(ABC):
@@ -71,6 +93,12 @@ class InverseForm(ABC):
 
     def __init__(self, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
+
+    @property
+    def compute_scale(self) -> float:
+        """Compute time of one result relative to the cost model's inverse-time fit (a
+        damped inverse by Cholesky): :data:`COMPUTE_SCALES` of :attr:`method`."""
+        return COMPUTE_SCALES[self.method]
 
     def stored(self, result: Tensor) -> Tensor:
         """``result`` in the storage dtype."""
@@ -122,7 +150,7 @@ class InverseForm(ABC):
 
     @abstractmethod
     def wire_size(self, dim: int) -> int:
-        """Elements a result occupies in a broadcast."""
+        """Elements a result of a ``[dim, dim]`` factor occupies in a broadcast."""
 
     @abstractmethod
     def pack(self, result: Tensor) -> Tensor:

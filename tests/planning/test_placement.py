@@ -8,10 +8,15 @@ import random
 import pytest
 
 from spdkfac.costmodel import DEFAULT_COST_MODEL, AlphaBetaModel, CostModel, PolynomialInverseModel
+from spdkfac.forms import inverse_form
 from spdkfac.planning.placement import (
     EVERY_RANK,
+    PLACEMENTS,
     FactorSpec,
     Plan,
+    broadcast_seconds,
+    inversion_seconds,
+    layer_owner_seconds,
     plan_balanced,
     plan_inversions,
     plan_replicated,
@@ -131,3 +136,56 @@ def test_bad_inputs() -> None:
         Plan("x", 2, (specs[0],), (2,), (1.0,))
     with pytest.raises(ValueError, match="alpha"):
         AlphaBetaModel(alpha=-1.0, beta=0.0)
+
+
+# A known rate per element: 1 s per broadcast element (bytes_per_element=1), and every
+# inversion by the fit c0 seconds, so broadcast and compute costs read off exactly.
+def _per_element(c0: float) -> CostModel:
+    return CostModel(
+        inverse=PolynomialInverseModel(c0=c0, c2=0.0, c3=0.0),
+        broadcast=AlphaBetaModel(alpha=0.0, beta=1.0),
+        allreduce=AlphaBetaModel(alpha=0.0, beta=0.0),
+        bytes_per_element=1,
+    )
+
+
+@pytest.mark.parametrize("method", ["cholesky", "eigen", "eigen-basis"])
+def test_specs_of_a_form_carry_its_wire_size_and_compute_scale(method: str) -> None:
+    form = inverse_form(method)
+    spec = FactorSpec.for_form("fc", "A", 10, form)
+    expected = 110 if method == "eigen-basis" else 55  # d² + d, or d(d + 1)/2
+    assert spec.wire_elements == form.wire_size(10) == expected
+    assert spec.compute_scale == form.compute_scale
+    model = _per_element(c0=2.0)
+    assert broadcast_seconds(spec, model) == expected
+    assert inversion_seconds(spec, model) == 2.0 * form.compute_scale
+    # A spec without a form is a damped inverse by Cholesky, priced as before.
+    assert FactorSpec("fc", "A", 10) == FactorSpec.for_form("fc", "A", 10, inverse_form("cholesky"))
+
+
+def test_balanced_prices_an_eigen_basis_broadcast_at_d_squared_plus_d() -> None:
+    """Same compute (scale 1), d = 10, inversion 80 s: a packed triangle's broadcast (55 s)
+    is cheaper, so the factor is communicated; an eigen-basis (110 elements: 110 s) is
+    not worth sending, so every rank computes it."""
+    model = _per_element(c0=80.0)
+    packed = FactorSpec("l", "A", 10)
+    eigen_wire = FactorSpec("l", "A", 10, wire_elements=inverse_form("eigen-basis").wire_size(10))
+    assert plan_balanced([packed], 2, model).owners == (0,)
+    assert plan_balanced([eigen_wire], 2, model).owners == (EVERY_RANK,)
+
+
+def test_every_planner_predicts_a_form_s_compute_time() -> None:
+    """Inversion 30 s by the fit: a Cholesky result (scale 1, 55 s to send) stays local;
+    the eigen-basis one costs 30·scale = 135 s > its 110 s broadcast: communicated."""
+    model = _per_element(c0=30.0)
+    basis = inverse_form("eigen-basis")
+    cholesky = [FactorSpec("l", "A", 10), FactorSpec("l", "G", 10)]
+    eigen = [FactorSpec.for_form(s.layer, s.kind, s.dim, basis) for s in cholesky]
+    assert set(plan_balanced(cholesky, 2, model).owners) == {EVERY_RANK}
+    assert sorted(plan_balanced(eigen, 2, model).owners) == [0, 1]
+    for placement in PLACEMENTS:
+        plain = plan_inversions(cholesky, 2, placement, model).predicted_seconds
+        scaled = plan_inversions(eigen, 2, placement, model).predicted_seconds
+        assert plain == (30.0, 30.0) and scaled == (30.0 * 4.5, 30.0 * 4.5), placement
+    extra = layer_owner_seconds(eigen, model)["l"] - layer_owner_seconds(cholesky, model)["l"]
+    assert extra == pytest.approx(2 * 30.0 * (basis.compute_scale - 1.0))

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from spdkfac.cli.arguments import positive_int
+from spdkfac.config import KFACConfig
+from spdkfac.forms import FORM_METHODS
+from spdkfac.planning.schedule import SCHEDULER_POLICIES
 from spdkfac.sim import (
     DEFAULT_STRATEGIES,
     MAX_RANK_PROGRAMS,
@@ -183,6 +186,15 @@ def add_parser(verbs: Any) -> None:
         "chunks: spdkfac.planning.schedule), or both; non-fifo results are labelled "
         "STRATEGY+SCHEDULER (default fifo)",
     )
+    add(
+        "--inverse-method",
+        choices=FORM_METHODS,
+        default="cholesky",
+        help="the run's inverse_method: what each inversion computes and broadcasts "
+        "(cholesky/eigen: damped inverses as packed triangles; eigen-basis: "
+        "eigendecompositions, d²+d elements), priced by the form's compute scale and wire "
+        "size (default cholesky)",
+    )
     add("--factor-update-steps", type=positive_int, default=1, help="factor refresh interval")
     add("--inv-update-steps", type=positive_int, default=1, help="inverse refresh interval")
     add("--json", action="store_true", help="print one JSON object keyed by strategy")
@@ -235,6 +247,7 @@ def _workload(args: argparse.Namespace, model: str) -> tuple[Workload, int]:
             name=entry.name,
             device="meta",
             vocab_size=entry.vocab_size,
+            config=KFACConfig(inverse_method=args.inverse_method),
         )
     except (ValueError, RuntimeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
@@ -257,8 +270,10 @@ def _check_size(hardware: Hardware, workers: int, model: str) -> None:
 
 
 def _label(strategy: str, scheduler: str) -> str:
-    """A result's key: the strategy, suffixed by a scheduler other than fifo."""
-    return strategy if scheduler == "fifo" else f"{strategy}+{scheduler}"
+    """A result's key: the strategy, suffixed by a scheduler that orders the traffic
+    (not fifo)."""
+    ordered = SCHEDULER_POLICIES[scheduler].orders_traffic
+    return f"{strategy}+{scheduler}" if ordered else strategy
 
 
 def run(args: argparse.Namespace) -> int:
@@ -315,6 +330,8 @@ def _run(args: argparse.Namespace) -> int:
     ]
     if args.comm_scheduler != ("fifo",):
         notes.append(f"comm schedulers: {', '.join(args.comm_scheduler)}")
+    if args.inverse_method != KFACConfig.inverse_method:
+        notes.append(f"inverse method: {args.inverse_method}")
     report = markdown_report(runs, title="spdkfac simulate", notes=notes)
     if args.out is not None:
         Path(args.out).write_text(report + "\n")

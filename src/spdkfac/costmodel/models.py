@@ -196,14 +196,19 @@ class CostModel:
             bytes_per_element=round(bpe),
         )
 
-    def inverse_seconds(self, dim: int) -> float:
-        """Predicted time to invert one ``dim`` x ``dim`` factor."""
-        return self.inverse.predict(dim)
+    def inverse_seconds(self, dim: int, scale: float = 1.0) -> float:
+        """Predicted time to compute one result of a ``dim`` x ``dim`` factor: the
+        inverse-time fit (of damped inverses by Cholesky, as calibrated) times ``scale``,
+        the result's compute time relative to it (an inverse form's ``compute_scale``)."""
+        return scale * self.inverse.predict(dim)
 
-    def broadcast_seconds(self, dim: int) -> float:
-        """Predicted time to broadcast one inverse as a packed upper triangle."""
-        packed = dim * (dim + 1) // 2
-        return self.broadcast.predict(packed * self.bytes_per_element)
+    def broadcast_seconds(self, dim: int, elements: int | None = None) -> float:
+        """Predicted time to broadcast one result of a ``dim`` x ``dim`` factor that
+        occupies ``elements`` elements on the wire (an inverse form's ``wire_size``;
+        None: a damped inverse's packed upper triangle, ``dim·(dim + 1)/2``)."""
+        if elements is None:
+            elements = dim * (dim + 1) // 2
+        return self.broadcast.predict(elements * self.bytes_per_element)
 
     def broadcast_group_elements(self, bandwidth_to_startup: float = 4.0) -> int:
         """Smallest message (in elements) whose transfer time is ``bandwidth_to_startup``

@@ -95,8 +95,8 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
     # ------------------------------------------------------------------ inverses
     def inverse_specs(self) -> tuple[FactorSpec, ...]:
         return (
-            FactorSpec(self.name, "A", self.a_dim),
-            FactorSpec(self.name, "G", self.g_dim),
+            FactorSpec.for_form(self.name, "A", self.a_dim, self.form),
+            FactorSpec.for_form(self.name, "G", self.g_dim, self.form),
         )
 
     def placed_factors(self) -> dict[str, Tensor]:
@@ -166,7 +166,7 @@ class DiagonalKroneckerBlock(KroneckerBlock):
         super().absorb(new, decay)
 
     def inverse_specs(self) -> tuple[FactorSpec, ...]:
-        return (FactorSpec(self.name, "G", self.g_dim),)
+        return (FactorSpec.for_form(self.name, "G", self.g_dim, self.form),)
 
     def placed_factors(self) -> dict[str, Tensor]:
         if self.a_factor is None or self.g_factor is None:

@@ -2,8 +2,9 @@
 
 A factor is either *communicated* (CT: inverted on one owner rank and broadcast) or
 *non-communicated* (NCT: inverted redundantly on every rank). Planners are pure functions
-of replicated inputs (factor dimensions in registration order, world size, cost model), so
-every rank computes the same :class:`Plan` without communicating. ``layer-owners`` gives
+of replicated inputs (the factors in registration order — their sides and what their
+results cost in the blocks' inverse form, :class:`FactorSpec` —, world size, cost model),
+so every rank computes the same :class:`Plan` without communicating. ``layer-owners`` gives
 all of a layer's factors to one rank, for Osawa et al.'s owner-computes exchange (the
 owner keeps its inverses and preconditions the layer itself).
 """
@@ -17,6 +18,9 @@ from types import MappingProxyType
 from typing import Final, Protocol
 
 from spdkfac.costmodel import DEFAULT_COST_MODEL, CostModel
+from spdkfac.forms import InverseForm
+from spdkfac.linalg import packed_size
+from spdkfac.support.checks import check_number
 from spdkfac.types import FactorKind
 
 __all__ = [
@@ -30,6 +34,8 @@ __all__ = [
     "Plan",
     "Replicated",
     "RoundRobin",
+    "broadcast_seconds",
+    "inversion_seconds",
     "plan_balanced",
     "plan_inversions",
     "plan_layer_owners",
@@ -43,17 +49,42 @@ EVERY_RANK: Final = -1
 
 @dataclass(frozen=True)
 class FactorSpec:
-    """One Kronecker factor to invert: its layer, which factor, and its side."""
+    """One Kronecker factor to invert: its layer, which factor, its side, and what its
+    result costs in the block's inverse form (:mod:`spdkfac.forms`; build one with
+    :meth:`for_form`).
+
+    Attributes:
+        layer: The layer's name.
+        kind: ``"A"`` or ``"G"``.
+        dim: The factor's side.
+        wire_elements: Elements its result occupies in a broadcast (the form's
+            ``wire_size``); 0 on construction means a damped inverse's packed triangle,
+            ``d(d+1)/2``.
+        compute_scale: Its compute time relative to the cost model's inverse-time fit
+            (the form's ``compute_scale``; 1: a damped inverse by Cholesky).
+    """
 
     layer: str
     kind: FactorKind
     dim: int
+    wire_elements: int = 0
+    compute_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("A", "G"):
             raise ValueError(f"kind must be 'A' or 'G', got {self.kind!r}")
         if self.dim < 1:
             raise ValueError(f"dim of {self.key} must be >= 1, got {self.dim}")
+        if self.wire_elements == 0:
+            object.__setattr__(self, "wire_elements", packed_size(self.dim))
+        if self.wire_elements < 1:
+            raise ValueError(f"wire_elements of {self.key} must be >= 1, got {self.wire_elements}")
+        check_number(f"compute_scale of {self.key}", self.compute_scale)
+
+    @classmethod
+    def for_form(cls, layer: str, kind: FactorKind, dim: int, form: InverseForm) -> FactorSpec:
+        """The factor as ``form`` computes and sends its result."""
+        return cls(layer, kind, dim, form.wire_size(dim), form.compute_scale)
 
     @property
     def key(self) -> str:
@@ -135,8 +166,18 @@ class Plan:
         )
 
 
+def inversion_seconds(spec: FactorSpec, cost_model: CostModel) -> float:
+    """Predicted seconds to compute ``spec``'s result in its form."""
+    return cost_model.inverse_seconds(spec.dim, spec.compute_scale)
+
+
+def broadcast_seconds(spec: FactorSpec, cost_model: CostModel) -> float:
+    """Predicted seconds to broadcast ``spec``'s result in its form's wire format."""
+    return cost_model.broadcast_seconds(spec.dim, spec.wire_elements)
+
+
 def _predicted(factors: Sequence[FactorSpec], cost_model: CostModel) -> tuple[float, ...]:
-    return tuple(cost_model.inverse_seconds(spec.dim) for spec in factors)
+    return tuple(inversion_seconds(spec, cost_model) for spec in factors)
 
 
 def plan_replicated(
@@ -171,7 +212,9 @@ def plan_balanced(
     """SPD-KFAC: NCT when inverting is no slower than receiving, else LPT on predicted time.
 
     A factor is NCT when its predicted inversion time is not more than its predicted
-    broadcast time. The rest are taken largest predicted time first (ties broken by key,
+    broadcast time, both in its inverse form (:func:`inversion_seconds`,
+    :func:`broadcast_seconds`: an eigen-basis costs more to compute and twice the
+    elements to send). The rest are taken largest predicted time first (ties broken by key,
     so the plan does not depend on the order factors are listed in) and each goes to the
     least-loaded rank (ties: lowest rank). Loads are predicted seconds, not dimensions.
     """
@@ -180,7 +223,7 @@ def plan_balanced(
     communicated = [
         index
         for index, spec in enumerate(factors)
-        if world_size > 1 and predicted[index] > cost_model.broadcast_seconds(spec.dim)
+        if world_size > 1 and predicted[index] > broadcast_seconds(spec, cost_model)
     ]
     communicated.sort(key=lambda index: (-predicted[index], factors[index].key))
     heap = [(0.0, rank) for rank in range(world_size)]
@@ -202,20 +245,21 @@ def layer_owner_seconds(
 ) -> dict[str, float]:
     """Predicted seconds an owner spends on each layer, by layer name.
 
-    The inversions of its factors, the two products of preconditioning ``Ĝ ∇ Â`` (an
-    ``[g, a]`` gradient: ``g·a·(g + a)`` multiply-adds, costed at the inversion model's
-    cubic rate, as one inversion is about ``d³`` of them) and sending the ``g·a``
+    The inversions of its factors (in their form, :func:`inversion_seconds`), the two
+    products of preconditioning ``Ĝ ∇ Â`` (an ``[g, a]`` gradient: ``g·a·(g + a)``
+    multiply-adds, costed at the inversion model's cubic rate, as one inversion is about
+    ``d³`` of them) and sending the ``g·a``
     preconditioned elements in the all-gather (the broadcast model). A layer whose A is
     not placed (a diagonal A, an embedding's) counts its inversion only.
     """
-    dims: dict[str, dict[str, int]] = {}
+    specs: dict[str, dict[str, FactorSpec]] = {}
     for spec in factors:
-        dims.setdefault(spec.layer, {})[spec.kind] = spec.dim
+        specs.setdefault(spec.layer, {})[spec.kind] = spec
     seconds: dict[str, float] = {}
-    for layer, kinds in dims.items():
-        total = sum(cost_model.inverse_seconds(dim) for dim in kinds.values())
+    for layer, kinds in specs.items():
+        total = sum(inversion_seconds(spec, cost_model) for spec in kinds.values())
         if len(kinds) == 2:
-            a, g = kinds["A"], kinds["G"]
+            a, g = kinds["A"].dim, kinds["G"].dim
             total += cost_model.inverse.c3 * g * a * (g + a)
             total += cost_model.broadcast.predict(g * a * cost_model.bytes_per_element)
         seconds[layer] = total

@@ -13,8 +13,12 @@ there, else the device roofline's memory bandwidth:
   ``isfinite().all()``, then ``mean()`` of every factor again;
 * inside the factor wait: per factor, divide the reduced triangle, unpack it, and check
   the sum is finite (:func:`~spdkfac.linalg.is_finite`);
-* running average (in place: scale and add), packing inverses on owners, unpacking them
-  on receivers, the KL clip (a dot product, a scale and a copy per layer) and momentum SGD.
+* running average (in place: scale and add), packing inverses on owners (the inverse
+  form's wire elements), unpacking them on receivers, the KL clip (a dot product, a scale
+  and a copy per layer) and momentum SGD.
+
+Inversions are the hardware's inverse-time fit (of damped inverses by Cholesky) times the
+workload's inverse form's ``compute_scale`` (:mod:`spdkfac.forms`).
 
 When the hardware carries pieces measured inside a profiled run of this workload
 (``Hardware.spans``, see :mod:`spdkfac.sim.profiled`), those replace the models above.
@@ -160,14 +164,19 @@ class WorkloadCosts:
         return sum(self.primitive("average", d * d) for d in self._dims(layers))
 
     def inverse(self, dim: int, key: str | None = None) -> float:
-        """One damped inverse (of factor ``key``, when a profiled run timed it)."""
+        """One result of the workload's inverse form (of factor ``key``, when a profiled
+        run timed it): the hardware's inverse-time fit (damped inverses by Cholesky)
+        times the form's ``compute_scale``."""
         profiled = None if key is None else self.profiled(piece_name(Phase.INVERSE_COMPUTE, key))
-        return self.hardware.inverse.predict(dim) if profiled is None else profiled
+        if profiled is not None:
+            return profiled
+        return self.workload.form.compute_scale * self.hardware.inverse.predict(dim)
 
     def pack_inverse(self, dim: int) -> float:
-        """The owner packing one inverse into its broadcast buffer."""
-        packed = packed_size(dim)
-        return self.primitive("pack", packed) + self.primitive("copy", packed)
+        """The owner writing one result into its broadcast buffer (the form's wire
+        elements: a packed triangle, or an eigen-basis's ``d² + d``)."""
+        wire = self.workload.form.wire_size(dim)
+        return self.primitive("pack", wire) + self.primitive("copy", wire)
 
     def unpack_inverse(self, dim: int) -> float:
         """A receiver rebuilding one broadcast inverse."""

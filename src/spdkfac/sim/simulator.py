@@ -8,22 +8,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from spdkfac.planning.placement import Plan
+from spdkfac.planning.schedule import SCHEDULER_POLICIES
 from spdkfac.profiling import BREAKDOWN_CATEGORIES, Event, breakdown
 from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.engine import simulate
 from spdkfac.sim.hardware import Hardware
 from spdkfac.sim.strategies import (
-    STRATEGY_TABLE,
     Strategy,
     StrategySetup,
     factor_memory_bytes,
     plan_summary,
     prepare,
+    selection,
 )
 from spdkfac.sim.timeline import JITTER_PHASES, build_iteration, rank_speeds
 from spdkfac.sim.window import window_policy
 from spdkfac.sim.workload import Workload
-from spdkfac.strategies import AUTO_CANDIDATES
+from spdkfac.strategies import AutoStrategy
 
 __all__ = [
     "FULL_TIMELINE_RANKS",
@@ -263,7 +264,7 @@ def simulate_strategy(
     workload: Workload,
     hardware: Hardware,
     world_size: int,
-    strategy: str | Strategy,
+    strategy: str | Strategy | AutoStrategy,
     *,
     factor_update_steps: int = 1,
     inv_update_steps: int = 1,
@@ -277,64 +278,82 @@ def simulate_strategy(
     independent and the cycle's mean is their count-weighted mean. ``plan`` replaces the
     strategy's inverse placement; ``comm_scheduler`` orders the backward window's
     gradient and factor buckets (:mod:`spdkfac.sim.window`; its schedule is appended to
-    the result's ``plan``; ``"fifo"`` keeps the row's own, e.g. ``spd-kfac+priority``'s).
+    the result's ``plan``; a scheduler that orders no traffic, ``"fifo"``, keeps the
+    row's own, e.g. ``spd-kfac+priority``'s).
 
-    ``"auto"`` is the fastest of :data:`~spdkfac.strategies.AUTO_CANDIDATES` here (what
-    ``strategy="auto"`` keeps after its trials, whose steps are not modelled).
+    ``strategy`` is a row, a name (:func:`~spdkfac.sim.strategies.selection`) or an
+    :class:`~spdkfac.strategies.AutoStrategy` (``"auto"``): the fastest of its candidates
+    here (what ``strategy="auto"`` keeps after its trials, whose steps are not modelled).
+    The inverse form is the workload's (:attr:`Workload.form`).
 
     Raises:
         ValueError: An unknown strategy or ``comm_scheduler``, a world size < 1 or bad
             refresh intervals.
     """
     window_policy(comm_scheduler)
-    if strategy == "auto":
-        tried = [
-            simulate_strategy(
-                workload,
-                hardware,
-                world_size,
-                name,
-                factor_update_steps=factor_update_steps,
-                inv_update_steps=inv_update_steps,
-                plan=plan,
-                comm_scheduler=comm_scheduler,
-            )
-            for name in AUTO_CANDIDATES
-        ]
+    run = _Run(workload, hardware, world_size, factor_update_steps, inv_update_steps, plan)
+    chosen = selection(strategy)
+    if isinstance(chosen, AutoStrategy):
+        tried = [run.row(row, comm_scheduler) for row in chosen.candidates]
         best = min(tried, key=lambda result: result.iteration_s)
         times = ", ".join(f"{r.strategy} {1e3 * r.iteration_s:.1f} ms" for r in tried)
-        return replace(best, strategy="auto", plan=f"chose {best.strategy} ({times}); {best.plan}")
-    if isinstance(strategy, str):
-        if strategy not in STRATEGY_TABLE:
-            raise ValueError(f"unknown strategy {strategy!r}")
-        strategy = STRATEGY_TABLE[strategy]
-    if comm_scheduler == "fifo":
-        comm_scheduler = strategy.comm_scheduler  # a ``+priority`` row keeps its own
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if world_size > MAX_WORKERS:
-        raise ValueError(f"world_size must be <= {MAX_WORKERS}, got {world_size}")
-    counts = _cycle(factor_update_steps, inv_update_steps)
-    if not strategy.uses_kfac:
-        counts = {(False, False): 1}
-    costs = WorkloadCosts(workload, hardware, world_size)
-    setup = prepare(costs, strategy, plan, comm_scheduler=comm_scheduler)
-    kinds: list[IterationKind] = []
-    timeline: list[Event] = []
-    offset = 0.0
-    for (factor_step, inverse_step), count in sorted(counts.items(), reverse=True):
-        events, seconds, split, simulated = _run_kind(setup, factor_step, inverse_step)
-        kinds.append(IterationKind(factor_step, inverse_step, count, seconds, split, simulated))
-        timeline.extend(Event(e.name, e.rank, e.start + offset, e.duration) for e in events)
-        offset += max((event.end for event in events), default=0.0)
+        return replace(
+            best, strategy=chosen.name, plan=f"chose {best.strategy} ({times}); {best.plan}"
+        )
+    return run.row(chosen, comm_scheduler)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One simulation's inputs but the strategy: :meth:`row` simulates one row."""
+
+    workload: Workload
+    hardware: Hardware
+    world_size: int
+    factor_update_steps: int
+    inv_update_steps: int
+    plan: Plan | None
+
+    def __post_init__(self) -> None:
+        world_size = self.world_size
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if world_size > MAX_WORKERS:
+            raise ValueError(f"world_size must be <= {MAX_WORKERS}, got {world_size}")
+        _cycle(self.factor_update_steps, self.inv_update_steps)  # checks the intervals
+
+    def row(self, strategy: Strategy, comm_scheduler: str) -> StrategyResult:
+        """Simulate the row ``strategy`` over a refresh cycle."""
+        if not SCHEDULER_POLICIES[comm_scheduler].orders_traffic:
+            comm_scheduler = strategy.scheduler.name  # a ``+priority`` row keeps its own
+        counts = _cycle(self.factor_update_steps, self.inv_update_steps)
+        if not strategy.uses_kfac:
+            counts = {(False, False): 1}
+        costs = WorkloadCosts(self.workload, self.hardware, self.world_size)
+        setup = prepare(costs, strategy, self.plan, comm_scheduler=comm_scheduler)
+        kinds: list[IterationKind] = []
+        timeline: list[Event] = []
+        offset = 0.0
+        for (factor_step, inverse_step), count in sorted(counts.items(), reverse=True):
+            events, seconds, split, simulated = _run_kind(setup, factor_step, inverse_step)
+            kinds.append(IterationKind(factor_step, inverse_step, count, seconds, split, simulated))
+            timeline.extend(Event(e.name, e.rank, e.start + offset, e.duration) for e in events)
+            offset += max((event.end for event in events), default=0.0)
+        return _result(setup, kinds, timeline)
+
+
+def _result(
+    setup: StrategySetup, kinds: Sequence[IterationKind], timeline: Sequence[Event]
+) -> StrategyResult:
+    """A row's result: its kinds of iteration weighted by their counts in the cycle."""
     total = sum(kind.count for kind in kinds)
     mean = {
         category: sum(kind.count * kind.breakdown[category] for kind in kinds) / total
         for category in BREAKDOWN_CATEGORIES
     }
     return StrategyResult(
-        strategy=strategy.name,
-        world_size=world_size,
+        strategy=setup.strategy.name,
+        world_size=setup.costs.world_size,
         iteration_s=sum(kind.count * kind.seconds for kind in kinds) / total,
         breakdown=mean,
         kinds=tuple(kinds),
@@ -343,7 +362,7 @@ def simulate_strategy(
         factor_buckets=None if setup.fusion is None else len(setup.fusion.buckets),
         grad_buckets=len(setup.grad_buckets),
         factor_memory_bytes=factor_memory_bytes(setup),
-        comm_scheduler=comm_scheduler,
+        comm_scheduler=setup.comm_scheduler,
     )
 
 

@@ -1,13 +1,16 @@
 """Strategies as the real run composes them, planned with the real planners.
 
 A :class:`~spdkfac.strategies.Strategy` is a row of the one strategy table (a fusion
-policy plus an inverse placement), shared with the preconditioner and ``spdkfac bench``.
+policy plus an inverse placement), shared with the preconditioner and ``spdkfac bench``;
+:func:`selection` resolves a name (``"auto"`` through
+:attr:`~spdkfac.config.KFACConfig.selection`, an :class:`~spdkfac.strategies.AutoStrategy`).
 :func:`prepare` makes, for one workload, hardware and world size, exactly the plans a
-real ``KFACPreconditioner`` would: the inverse :class:`~spdkfac.planning.placement.Plan` from
-:func:`~spdkfac.planning.placement.plan_inversions`, the broadcast grouping of
-:func:`~spdkfac.planning.broadcasts.broadcast_groups` and the factor buckets of
-:mod:`spdkfac.planning.fusion`; the ``optimal`` policy plans from the hand-over times the
-compute-only timeline gives, as the real one plans from rank 0's measurements. DDP's
+real ``KFACPreconditioner`` would: the inverse :class:`~spdkfac.planning.placement.Plan` of
+the workload's factors (its blocks' ``inverse_specs``, priced in its inverse form) from
+:func:`~spdkfac.planning.placement.plan_inversions`, the row's broadcast grouping (in the
+form's wire size) and the factor buckets of :mod:`spdkfac.planning.fusion`; the
+``optimal`` policy plans from the hand-over times the compute-only timeline gives, as the
+real one plans from rank 0's measurements. DDP's
 gradient buckets follow the order gradients become final, with its 1 MiB first bucket.
 
 A row with ``owner_computes`` (Osawa et al. 2019) is planned the same way with its own
@@ -21,22 +24,27 @@ runtime's planner: :attr:`StrategySetup.window` (None: ``"fifo"``, or no window)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import cast
 
+from spdkfac.config import KFACConfig
 from spdkfac.linalg import packed_size
-from spdkfac.planning.broadcasts import BroadcastGroup, broadcast_groups
+from spdkfac.planning.broadcasts import BroadcastGroup
 from spdkfac.planning.fusion import FusionInputs, FusionPlan, FusionPolicy
-from spdkfac.planning.placement import EVERY_RANK, FactorSpec, Plan, plan_inversions
+from spdkfac.planning.placement import EVERY_RANK, Plan, plan_inversions
 from spdkfac.planning.schedule import CommSchedule
 from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.window import window_policy
 from spdkfac.sim.workload import FactorHook, GradReady, Op
-from spdkfac.strategies import SGD, STRATEGIES, Strategy
+from spdkfac.strategies import SGD, STRATEGIES, STRATEGY_NAMES, AutoStrategy, Strategy
+from spdkfac.types import StrategyName
 
 __all__ = [
     "DEFAULT_STRATEGIES",
+    "SELECTION_NAMES",
     "STRATEGY_TABLE",
     "Strategy",
     "StrategySetup",
@@ -44,11 +52,18 @@ __all__ = [
     "parse_strategies",
     "plan_summary",
     "prepare",
+    "selection",
 ]
 
-#: Every strategy the simulator knows: SGD and the rows of the one strategy table
+#: Every strategy row the simulator knows: SGD and the rows of the one strategy table
 #: (names match ``spdkfac bench``'s variants).
 STRATEGY_TABLE: dict[str, Strategy] = {SGD.name: SGD, **STRATEGIES}
+#: Every name :func:`selection` takes: the rows, and the ``strategy=`` values that are
+#: no row (``"auto"``).
+SELECTION_NAMES: tuple[str, ...] = (
+    *STRATEGY_TABLE,
+    *(name for name in STRATEGY_NAMES if name not in STRATEGY_TABLE),
+)
 DEFAULT_STRATEGIES: tuple[str, ...] = (
     "d-kfac",
     "mpd-kfac",
@@ -56,6 +71,24 @@ DEFAULT_STRATEGIES: tuple[str, ...] = (
     "placement-only",
     "pipelining-only",
 )
+
+
+def selection(strategy: str | Strategy | AutoStrategy) -> Strategy | AutoStrategy:
+    """What a strategy name selects: a row of :data:`STRATEGY_TABLE`, or what the
+    ``strategy=`` option makes of it (:attr:`~spdkfac.config.KFACConfig.selection`:
+    ``"auto"`` is an :class:`~spdkfac.strategies.AutoStrategy` of its default candidates).
+    A row or an ``AutoStrategy`` is returned as it is.
+
+    Raises:
+        ValueError: An unknown name.
+    """
+    if not isinstance(strategy, str):
+        return strategy
+    if strategy in STRATEGY_TABLE:
+        return STRATEGY_TABLE[strategy]
+    if strategy not in SELECTION_NAMES:
+        raise ValueError(f"unknown strategy {strategy!r}")
+    return KFACConfig(strategy=cast(StrategyName, strategy)).selection
 
 
 def parse_strategies(text: str) -> tuple[str, ...]:
@@ -68,8 +101,8 @@ def parse_strategies(text: str) -> tuple[str, ...]:
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        if item not in STRATEGY_TABLE and item != "auto":
-            known = ", ".join([*STRATEGY_TABLE, "auto"])
+        if item not in SELECTION_NAMES:
+            known = ", ".join(SELECTION_NAMES)
             raise ValueError(f"unknown strategy {item!r}; choose from {known}")
         if item not in names:
             names.append(item)
@@ -245,12 +278,7 @@ def prepare(
         )
     assert strategy.placement_policy is not None and strategy.fusion is not None
     cost_model = costs.hardware.cost_model(world_size)
-    specs: list[FactorSpec] = []
-    for layer in costs.workload.layers:
-        specs += [
-            FactorSpec(layer.name, "A", layer.a_dim),
-            FactorSpec(layer.name, "G", layer.g_dim),
-        ]
+    specs = costs.workload.factors
     if plan is None:
         plan = plan_inversions(specs, world_size, strategy.placement_policy, cost_model)
     elif plan.world_size != world_size or sorted(s.key for s in plan.factors) != sorted(
@@ -261,11 +289,12 @@ def prepare(
     fusion = None
     owners: dict[str, int] = {}
     if world_size > 1:
-        if strategy.owner_computes:
+        if strategy.final.owners_precondition:
             owners = _layer_owners(plan)
         else:
-            minimum = strategy.broadcasts.min_group_elements(cost_model)
-            groups = tuple(broadcast_groups(plan, {spec.key: None for spec in specs}, minimum))
+            available = {spec.key: None for spec in specs}
+            wire = costs.workload.form.wire_size
+            groups = tuple(strategy.broadcasts.groups(plan, available, cost_model, wire))
         busy, chunk = (
             scheduler.gradient_busy(costs, strategy, grad_buckets)
             if strategy.fusion.around_gradients
@@ -310,15 +339,19 @@ def factor_memory_bytes(setup: StrategySetup) -> int:
     """Bytes of running factors and inverses the most loaded rank holds.
 
     As the real blocks store them (``KFACPreconditioner.memory_bytes()``): each A and G
-    and each inverse a full float32 square. D-KFAC, MPD-KFAC and SPD-KFAC hold every
-    factor and every inverse on every rank (broadcast inverses are unpacked); an
+    a full float32 square, each result in its inverse form's shape (a square for a
+    damped inverse, ``[d, d + 1]`` for an eigen-basis). D-KFAC, MPD-KFAC and SPD-KFAC hold
+    every factor and every result on every rank (broadcast results are unpacked); an
     owner-computes strategy only its own layers'. SGD holds none.
     """
     if not setup.strategy.uses_kfac:
         return 0
+    workload = setup.costs.workload
+    form = workload.form
     per_layer = {
-        layer.name: 2 * _STORED_BYTES * (layer.a_dim**2 + layer.g_dim**2)
-        for layer in setup.costs.workload.layers
+        layer.name: _STORED_BYTES
+        * sum(dim**2 + math.prod(form.shape(dim)) for dim in (layer.a_dim, layer.g_dim))
+        for layer in workload.layers
     }
     if not setup.layer_owners:
         return sum(per_layer.values())

@@ -233,6 +233,66 @@ def _inverse_phase(
     out.append(Wait((ids[-1],), span_name(Phase.INVERSE_COMM, "failures")))
 
 
+def _step_prologue(
+    builder: IterationBuilder,
+    factor_step: bool,
+    factors: BucketLauncher | None,
+    out: list[Instruction],
+) -> None:
+    """From the step's start to the inverse phase: gradient checks, then on factor steps
+    the factor wait (and, unless owners compute, the running average), otherwise the
+    skip-flag all-reduce (owners agree in the KL all-reduce instead)."""
+    setup, costs = builder.setup, builder.costs
+    owners = setup.owner_computes
+    out.append(Compute(costs.step_prologue(factor_step)))
+    if factor_step and owners:
+        assert factors is not None
+        _factor_wait(builder, factors, out)
+    elif factor_step:
+        _factor_phase(builder, factors, out)
+    elif builder.world_size > 1 and not owners:
+        flag = builder.collective("skip flag", "default", CollectiveOp.ALL_REDUCE, 4.0)
+        issue(builder, flag, out)
+        out.append(Wait((flag,), span_name(Phase.FLAG_COMM, "skip")))
+
+
+def _inverse_collectives(builder: IterationBuilder) -> list[int]:
+    """The inverse phase's broadcasts, one per group in the form's wire format, and the
+    failure flags' all-reduce (last)."""
+    setup = builder.setup
+    ids = [
+        builder.collective(
+            f"broadcast {index} from {group.owner}",
+            "default",
+            CollectiveOp.BROADCAST,
+            4.0 * group.elements,
+        )
+        for index, group in enumerate(setup.groups)
+    ]
+    flags = 4.0 * 2 * len(builder.costs.workload.layers)
+    ids.append(builder.collective("failure flags", "default", CollectiveOp.ALL_REDUCE, flags))
+    return ids
+
+
+def _suffix(builder: IterationBuilder) -> list[Instruction]:
+    """After the inverse phase: preconditioning and the KL clip (unless owners compute:
+    theirs is in their step), the step's end and the optimizer."""
+    setup, costs = builder.setup, builder.costs
+    suffix: list[Instruction] = []
+    if setup.strategy.uses_kfac and not setup.owner_computes:
+        for layer in costs.workload.layers:
+            suffix.append(
+                Compute(costs.precondition(layer), span_name(Phase.PRECONDITION, layer.name))
+            )
+        suffix.append(Compute(costs.kl_clip(), span_name(Phase.PRECONDITION, "kl_clip")))
+    return [
+        *suffix,
+        Close(span_name(Phase.STEP)),
+        Compute(costs.optimizer()),
+        Close(span_name(Phase.ITERATION)),
+    ]
+
+
 def build_iteration(
     setup: StrategySetup,
     *,
@@ -257,62 +317,28 @@ def build_iteration(
     """
     ranks = range(setup.costs.world_size) if ranks is None else ranks
     builder = IterationBuilder(setup, ranks)
-    costs = builder.costs
-    workload = costs.workload
-    kfac = setup.strategy.uses_kfac
-    owners = setup.owner_computes
+    kfac, owners = setup.strategy.uses_kfac, setup.owner_computes
+    # Collectives are numbered as they are made: passes, step prologue, inverse phase.
     prefix: list[Instruction] = [Open(span_name(Phase.ITERATION))]
     factors = _passes(builder, factor_step, prefix)
     prefix.append(Open(span_name(Phase.STEP)))
     if kfac:
-        prefix.append(Compute(costs.step_prologue(factor_step)))
-        if factor_step and owners:
-            assert factors is not None
-            _factor_wait(builder, factors, prefix)
-        elif factor_step:
-            _factor_phase(builder, factors, prefix)
-        elif builder.world_size > 1 and not owners:  # owners agree in the KL all-reduce
-            flag = builder.collective("skip flag", "default", CollectiveOp.ALL_REDUCE, 4.0)
-            issue(builder, flag, prefix)
-            prefix.append(Wait((flag,), span_name(Phase.FLAG_COMM, "skip")))
-    inverse_ids: list[int] = []
-    if kfac and inverse_step and builder.world_size > 1 and not owners:
-        inverse_ids = [
-            builder.collective(
-                f"broadcast {index} from {group.owner}",
-                "default",
-                CollectiveOp.BROADCAST,
-                4.0 * group.elements,
-            )
-            for index, group in enumerate(setup.groups)
-        ]
-        inverse_ids.append(
-            builder.collective(
-                "failure flags", "default", CollectiveOp.ALL_REDUCE, 4.0 * 2 * len(workload.layers)
-            )
-        )
-    suffix: list[Instruction] = []
-    if kfac and not owners:
-        for layer in workload.layers:
-            suffix.append(
-                Compute(costs.precondition(layer), span_name(Phase.PRECONDITION, layer.name))
-            )
-        suffix.append(Compute(costs.kl_clip(), span_name(Phase.PRECONDITION, "kl_clip")))
-    suffix += [
-        Close(span_name(Phase.STEP)),
-        Compute(costs.optimizer()),
-        Close(span_name(Phase.ITERATION)),
-    ]
+        _step_prologue(builder, factor_step, factors, prefix)
+    inverses = kfac and inverse_step
+    inverse_ids = (
+        _inverse_collectives(builder) if inverses and builder.world_size > 1 and not owners else []
+    )
+    suffix = _suffix(builder)
     shared = None
     if owners:
         shared = OwnerCollectives(builder, factor_step=factor_step, inverse_step=inverse_step)
     programs: list[list[Instruction]] = []
-    speeds = rank_speeds(builder.world_size, costs.hardware.rank_spread)
+    speeds = rank_speeds(builder.world_size, builder.costs.hardware.rank_spread)
     for rank in ranks:
         middle: list[Instruction] = []
         if shared is not None:
             middle = owner_step(builder, shared, rank)
-        elif kfac and inverse_step:
+        elif inverses:
             _inverse_phase(builder, rank, middle, inverse_ids)
         program = prefix + middle + suffix
         by_phase = {} if jitter is None else jitter[rank]

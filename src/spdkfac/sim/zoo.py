@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from spdkfac import models
+from spdkfac.config import KFACConfig
 from spdkfac.models import (
     IMAGENET_MODELS,
     MODEL_NAMES,
@@ -98,8 +99,15 @@ def model_by_name(
     )
 
 
-def workload_for(name: str, *, batch_size: int, input_size: int | None = None) -> Workload:
-    """Trace the named model on the ``meta`` device (no memory, no weights)."""
+def workload_for(
+    name: str,
+    *,
+    batch_size: int,
+    input_size: int | None = None,
+    config: KFACConfig | None = None,
+) -> Workload:
+    """Trace the named model on the ``meta`` device (no memory, no weights), with the
+    blocks and inverse form a run of ``config`` registers (default ``KFACConfig()``)."""
     entry = model_by_name(name, input_size=input_size)
     return trace_workload(
         entry.build,
@@ -108,4 +116,5 @@ def workload_for(name: str, *, batch_size: int, input_size: int | None = None) -
         name=entry.name,
         device="meta",
         vocab_size=entry.vocab_size,
+        config=config,
     )
