@@ -85,13 +85,16 @@ def _run_case(rank: int, world: int, case: tuple[str, str, int, dict[str, Any]])
     wrapped = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     normalization = {"cnn": "unit-wise", "gpt": "diagonal"}.get(kind)
+    # Every option that matters is given, so a change of defaults changes no case.
+    chosen = {"factor_update_steps": 1, "inv_update_steps": 1, "kl_clip": 0.001, **options}
     precond = KFACPreconditioner(
         wrapped,
         strategy=strategy,
         optimizer=optimizer,
         damping=0.01,
+        factor_decay=0.95,
         normalization=normalization,
-        **options,
+        **chosen,
     )
     for step in range(STEPS):
         inputs, targets = _batch(kind, rank * STEPS + step)
