@@ -210,7 +210,7 @@ def _loop(run: _Run) -> TrainSummary:
         config, steps_per_epoch=run.steps_per_epoch, total_steps=total_steps
     )
     run.log(
-        f"{config.optimizer}{'/' + config.strategy if config.uses_kfac else ''} "
+        f"{config.optimizer}{'/' + config.kfac.strategy if config.uses_kfac else ''} "
         f"{config.model} on {config.dataset}: {comm.world_size} worker(s) x batch "
         f"{config.batch_size}, {run.steps_per_epoch} steps/epoch, {total_steps} steps"
     )
