@@ -95,6 +95,15 @@ def test_the_library_and_every_verb_share_one_set_of_kfac_defaults() -> None:
     assert TrainConfig().kfac == KFACConfig()
     assert _config_from_args(build_parser().parse_args(["train"])).kfac == KFACConfig()
     assert (KFACConfig().damping, KFACConfig().inv_update_steps) == (0.1, 10)
+    parser = build_parser()
+    demo = parser.parse_args(["demo"])
+    bench = parser.parse_args(["bench"])
+    defaults = KFACConfig()
+    for option in ("damping", "kl_clip", "factor_update_steps", "inv_update_steps"):
+        assert getattr(demo, option) == getattr(defaults, option), option
+    assert bench.damping == defaults.damping
+    # The benchmark times every phase at every iteration: its refresh intervals are 1.
+    assert (bench.factor_update_steps, bench.inv_update_steps) == (1, 1)
 
 
 def test_the_flat_form_keeps_its_keys_and_round_trips() -> None:
