@@ -17,7 +17,12 @@ from spdkfac.training.checkpoint import (
     step_directory,
 )
 from spdkfac.training.config import TrainConfig
-from spdkfac.training.persistence import KEEP_CHECKPOINTS, restore_checkpoint, save_checkpoint
+from spdkfac.training.persistence import (
+    KEEP_CHECKPOINTS,
+    CheckpointPayload,
+    restore_checkpoint,
+    save_checkpoint,
+)
 
 __all__: list[str] = []
 
@@ -32,10 +37,8 @@ def _parts(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    save_checkpoint(
-        root,
-        LocalCommunicator(),
-        TrainConfig(optimizer="sgd"),
+    payload = CheckpointPayload(
+        config=TrainConfig(optimizer="sgd"),
         step=step,
         train_seconds=1.5 * step,
         metrics=[{"epoch": 1, "step": step}],
@@ -44,6 +47,7 @@ def _save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimi
         preconditioner=None,
         rank_state={"mixup": None, "epoch_losses": [0.5, 0.25]},
     )
+    save_checkpoint(root, LocalCommunicator(), payload)
 
 
 def test_save_then_restore_round_trips(tmp_path: Path) -> None:
@@ -63,6 +67,10 @@ def test_save_then_restore_round_trips(tmp_path: Path) -> None:
     assert restored.metrics == [{"epoch": 1, "step": 7}]
     assert restored.rank_state == {"format": 1, "mixup": None, "epoch_losses": [0.5, 0.25]}
     assert restored.directory == step_directory(tmp_path, 7)
+    common = torch.load(restored.directory / "common.pt", weights_only=True)
+    assert list(common) == ["format", "config", "world_size", "step", "train_seconds",
+                            "metrics", "model", "optimizer", "preconditioner"]  # fmt: skip
+    assert common["config"] == TrainConfig(optimizer="sgd").to_dict()
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert str(optimizer.state_dict()) == str(fresh_optimizer.state_dict())
