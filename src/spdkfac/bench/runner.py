@@ -39,6 +39,7 @@ from spdkfac.layers import FactorOptions
 from spdkfac.models import ModelKind, build_model, model_kind
 from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.profiling import Event, Phase, Profiler, breakdown, span_name
+from spdkfac.strategies import AutoStrategy
 from spdkfac.support.checks import check_number
 from spdkfac.training.loop import StepHooks, cross_entropy_pass, train_step
 from spdkfac.training.setup import configure_cpu
@@ -223,8 +224,10 @@ class _VariantRun:
     def trying(self) -> bool:
         """Whether ``strategy="auto"`` is still trying candidates."""
         precond = self.precond
-        return precond is not None and (
-            precond.config.strategy == "auto" and precond.strategy_choice is None
+        return (
+            precond is not None
+            and isinstance(precond.config.selection, AutoStrategy)
+            and precond.strategy_choice is None
         )
 
     @property
