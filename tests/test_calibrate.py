@@ -14,6 +14,8 @@ from torch import nn
 from distributed_helper import run_command, run_distributed
 from spdkfac.calibrate import (
     Budget,
+    CalibrationPlan,
+    FactorWorkload,
     calibrate,
     describe_device,
     format_report,
@@ -47,12 +49,8 @@ def test_single_process_calibration(tmp_path: Path) -> None:
     lines: list[str] = []
     calibration = calibrate(
         LocalCommunicator(),
-        dims=DIMS,
-        sizes_bytes=SIZES,
-        repeats=2,
-        max_seconds=30,
-        model=model,
-        batch=batch,
+        CalibrationPlan(dims=DIMS, sizes_bytes=SIZES, repeats=2, max_seconds=30),
+        factors=FactorWorkload(model, batch),
         log=lines.append,
     )
     zero = AlphaBetaModel(0.0, 0.0)
@@ -112,11 +110,12 @@ def _two_rank_worker(rank: int, world_size: int) -> tuple[dict[str, Any], dict[s
     torch.set_num_threads(1)
     comm = TorchDistributedCommunicator()
     model, batch = _tiny_model()
-    full = calibrate(
-        comm, dims=DIMS, sizes_bytes=SIZES, repeats=2, max_seconds=30, model=model, batch=batch
-    )
+    plan = CalibrationPlan(dims=DIMS, sizes_bytes=SIZES, repeats=2, max_seconds=30)
+    full = calibrate(comm, plan, factors=FactorWorkload(model, batch))
     # A budget that runs out at once: every rank must skip the same items (no hang).
-    starved = calibrate(comm, dims=DIMS, sizes_bytes=SIZES, repeats=1, max_seconds=1e-6)
+    starved = calibrate(
+        comm, CalibrationPlan(dims=DIMS, sizes_bytes=SIZES, repeats=1, max_seconds=1e-6)
+    )
     return full.to_json(), starved.to_json()
 
 
@@ -138,7 +137,9 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     model, batch = _tiny_model()
     calibration = calibrate(
-        LocalCommunicator(), dims=DIMS, sizes_bytes=SIZES, repeats=1, model=model, batch=batch
+        LocalCommunicator(),
+        CalibrationPlan(dims=DIMS, sizes_bytes=SIZES, repeats=1),
+        factors=FactorWorkload(model, batch),
     )
     png = tmp_path / "fit.png"
     assert plot_calibration(calibration, None, png)
@@ -149,7 +150,8 @@ def test_plot_without_matplotlib_prints_a_notice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now fails
-    calibration = calibrate(LocalCommunicator(), dims=(8, 16), sizes_bytes=SIZES, repeats=1)
+    plan = CalibrationPlan(dims=(8, 16), sizes_bytes=SIZES, repeats=1)
+    calibration = calibrate(LocalCommunicator(), plan)
     assert not plot_calibration(calibration, calibration.samples, tmp_path / "fit.png")
     assert "matplotlib is not installed" in capsys.readouterr().out
     assert not (tmp_path / "fit.png").exists()
@@ -198,3 +200,21 @@ def test_cli_bad_flag_exit_code_in_a_subprocess() -> None:
     )
     assert result.returncode == 2
     assert "--sizes" in result.stderr and "lots" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("plan", "world_size", "message"),
+    [(CalibrationPlan(dims=(), sizes_bytes=SIZES), 1, "dims"),
+     (CalibrationPlan(dims=(0, 8), sizes_bytes=SIZES), 1, "dims"),
+     (CalibrationPlan(dims=DIMS, sizes_bytes=SIZES, repeats=0), 1, "repeats"),
+     (CalibrationPlan(dims=DIMS, sizes_bytes=(2,)), 2, "sizes_bytes")],
+)  # fmt: skip
+def test_an_unusable_plan_is_refused_before_any_measurement(
+    plan: CalibrationPlan, world_size: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan.check(world_size)
+    if world_size == 1:
+        with pytest.raises(ValueError, match=message):
+            calibrate(LocalCommunicator(), plan)
+    CalibrationPlan(dims=DIMS, sizes_bytes=(2,)).check(1)  # one rank times no collectives

@@ -89,7 +89,9 @@ def test_callable_damping_and_lr_are_evaluated_at_the_step() -> None:
         seen.append(step)
         return 0.1 / (step + 1)
 
-    precond = KFACPreconditioner(model, damping=damping, lr=lambda s: 0.1, kl_clip=None)
+    precond = KFACPreconditioner(
+        model, damping=damping, lr=lambda s: 0.1, kl_clip=None, inv_update_steps=1
+    )
     for step in range(3):
         model.zero_grad()
         inputs, targets = _batch(step)

@@ -100,6 +100,7 @@ def test_signature_lists_every_option_once() -> None:
     parameters = inspect.signature(KFACPreconditioner).parameters
     options = [option.name for option in fields(KFACConfig)]
     assert [name for name in parameters if name in options] == options
-    assert parameters["damping"].default == 0.003
+    assert parameters["damping"].default == 0.1
+    assert parameters["inv_update_steps"].default == 10
     assert parameters["factor_options"].default == KFACConfig().factor_options
     assert parameters["model"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD

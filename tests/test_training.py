@@ -59,7 +59,11 @@ def _final_loss(
     inputs, targets = data
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    precond = KFACPreconditioner(model, lr=lr, damping=0.01, kl_clip=0.01) if kfac else None
+    precond = (
+        KFACPreconditioner(model, lr=lr, damping=0.01, kl_clip=0.01, inv_update_steps=1)
+        if kfac
+        else None
+    )
     for step in range(STEPS):
         start = (step * BATCH) % inputs.shape[0]
         optimizer.zero_grad()

@@ -69,10 +69,10 @@ class KFACConfig:
 
     Attributes:
         damping: γ added to a copy of each factor's diagonal before inversion (float > 0
-            or callable of the step).
+            or callable of the step; default 0.1: docs/cli.md, "Defaults").
         factor_decay: ξ in ``F ← ξ·F + (1−ξ)·F_new``, in (0, 1] (float or callable).
         factor_update_steps: Interval between factor updates (int >= 1 or callable).
-        inv_update_steps: Interval between inverse updates (int >= 1 or callable).
+        inv_update_steps: Interval between inverse updates (int >= 1 or callable; 10).
         kl_clip: κ of the KL clip (float > 0 or callable), or None to disable it.
         lr: Learning rate η used by the KL clip (float or callable). None (default): the
             rate of each layer's parameter group in the ``optimizer`` given to the
@@ -136,10 +136,10 @@ class KFACConfig:
             ρ·γ (Osawa et al. use ρ > 1 for BatchNorm; their code's default is 16).
     """
 
-    damping: FloatSchedule = 0.003
+    damping: FloatSchedule = 0.1
     factor_decay: FloatSchedule = 0.95
     factor_update_steps: IntSchedule = 1
-    inv_update_steps: IntSchedule = 1
+    inv_update_steps: IntSchedule = 10
     kl_clip: FloatSchedule | None = 0.001
     lr: FloatSchedule | None = None
     inverse_method: FormMethod = "cholesky"

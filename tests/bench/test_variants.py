@@ -11,6 +11,8 @@ from spdkfac.bench.variants import (
     parse_variants,
     preconditioner_kwargs,
 )
+from spdkfac.config import KFACConfig
+from spdkfac.strategies import AUTO_CANDIDATES, AutoStrategy
 
 
 def test_table_builds_the_expected_kwargs() -> None:
@@ -114,3 +116,19 @@ def test_after_backward_baselines() -> None:
     assert after_backward_baseline("fusion:layerwise", fig10) == "fusion:after-backward"
     assert after_backward_baseline("spd-kfac", fig10) == "fusion:after-backward"
     assert after_backward_baseline("spd-kfac", ("spd-kfac", "d-kfac")) is None
+
+
+def test_auto_is_the_selection_a_preconditioner_makes() -> None:
+    auto = VARIANTS["auto"]
+    assert isinstance(auto.selection, AutoStrategy) and auto.row is None
+    assert auto.selection == KFACConfig(strategy="auto").selection
+    assert [row.name for row in auto.selection.rows] == list(AUTO_CANDIDATES)
+    assert auto.chosen_online and auto.uses_kfac
+    assert (auto.strategy, auto.factor_exchange, auto.placement) == ("auto", "auto", "auto")
+    assert auto.description == (
+        "auto: the fastest of d-kfac, spd-kfac, osawa, osawa-pipelined, mpd-kfac, measured "
+        "online (its trial iterations come before the measured ones and are not counted)"
+    )
+    assert after_backward_baseline("auto", PRESETS["auto"]) is None
+    assert after_backward_baseline("d-kfac", PRESETS["auto"]) == "d-kfac"
+    assert [name for name, variant in VARIANTS.items() if variant.chosen_online] == ["auto"]

@@ -139,7 +139,9 @@ def _unpacks_worker(rank: int, world_size: int, strategy: str) -> dict[str, obje
 
     inversion.unpack_triu = recording  # type: ignore[assignment]  # (a spawned process)
     model = _mlp()
-    precond = KFACPreconditioner(model, strategy=strategy, kl_clip=None, damping=0.1)
+    precond = KFACPreconditioner(
+        model, strategy=strategy, kl_clip=None, damping=0.1, inv_update_steps=1
+    )  # the last step's inverse phase unpacks what this rank inverts
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(3):
         generator = torch.Generator().manual_seed(10 * step + rank)

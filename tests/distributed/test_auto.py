@@ -38,6 +38,7 @@ def _options(strategy: str) -> dict[str, object]:
         "damping": 0.05,
         "kl_clip": None,
         "lr": 0.1,
+        "inv_update_steps": 1,  # the trials time refresh cycles of one step
     }
 
 

@@ -253,6 +253,7 @@ def _collectives_worker(rank: int, world_size: int, strategy: str) -> list[tuple
         strategy=strategy,
         kl_clip=1e-3,
         lr=0.1,
+        inv_update_steps=1,  # the byte formula counts an inverse phase at every step
         process_group=RecordingCommunicator(TorchDistributedCommunicator(), log),
     )
     for step in range(2):

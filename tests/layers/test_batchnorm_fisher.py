@@ -471,8 +471,9 @@ def test_train_flags_reach_the_config_and_the_compatibility_check(
         ["train", "--batchnorm", "unit-wise", "--batchnorm-damping-multiplier", "16"]
     )
     config = _config_from_args(args)
-    assert (config.batchnorm, config.batchnorm_damping_multiplier) == ("unit-wise", 16.0)
-    assert TrainConfig().batchnorm == "off"
+    assert (config.kfac.batchnorm, config.kfac.batchnorm_damping_multiplier) == ("unit-wise", 16.0)
+    assert TrainConfig().kfac.batchnorm is None
+    assert TrainConfig().to_dict()["batchnorm"] == "off"
     saved = TrainConfig().to_dict()
     assert incompatible_fields(saved, config) == ["batchnorm", "batchnorm_damping_multiplier"]
     assert TrainConfig.from_dict(config.to_dict()) == config
@@ -493,4 +494,4 @@ def test_bad_train_flags_exit_2(flags: list[str]) -> None:
         _config_from_args(build_parser().parse_args(["train", *flags]))
     assert raised.value.code == 2
     with pytest.raises(ValueError, match="batchnorm"):
-        TrainConfig(batchnorm="full")
+        TrainConfig.from_dict({"batchnorm": "full"})

@@ -78,15 +78,17 @@ def test_invalid_examples_are_refused(examples: object) -> None:
     with pytest.raises(ValueError, match="examples"):
         FactorOptions(examples=examples)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="factor_examples"):
-        TrainConfig(factor_examples=examples)  # type: ignore[arg-type]
+        TrainConfig.from_dict({"factor_examples": examples})
 
 
 def test_train_passes_the_factor_cost_options_to_the_preconditioner() -> None:
-    config = TrainConfig(model="mlp", optimizer="kfac", weight_sharing="reduce", factor_examples=8)
+    config = TrainConfig.from_dict(
+        {"model": "mlp", "optimizer": "kfac", "weight_sharing": "reduce", "factor_examples": 8}
+    )
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     _, _, precond = make_optimizers(config, model, steps_per_epoch=3)
     assert precond is not None
     assert precond.config.weight_sharing == "reduce"
     assert precond.config.factor_options.examples == 8
     with pytest.raises(ValueError, match="weight_sharing"):
-        TrainConfig(weight_sharing="sum")
+        TrainConfig.from_dict({"weight_sharing": "sum"})

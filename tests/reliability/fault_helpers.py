@@ -26,7 +26,7 @@ def write_tiny_data(root: Path) -> Path:
 
 
 def train_options(data: Path, out: Path, **changes: Any) -> dict[str, Any]:
-    """TrainConfig fields of a tiny K-FAC run that checkpoints every 5 steps and resumes."""
+    """Flat TrainConfig options of a tiny K-FAC run that checkpoints every 5 steps and resumes."""
     options: dict[str, Any] = {
         "data": str(data), "model": "mlp", "epochs": 2, "batch_size": 16, "out_dir": str(out),
         "lr": 0.05, "damping": 0.3, "inv_update_steps": 3, "mixup_alpha": 0.4,

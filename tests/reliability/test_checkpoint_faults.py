@@ -59,7 +59,7 @@ def _killed_writer(victim: str, options: dict[str, Any]) -> None:
         real_write(path, payload)
 
     checkpoint.atomic_write_bytes = torn_write  # type: ignore[assignment]
-    train(TrainConfig(**options))
+    train(TrainConfig.from_dict(options))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     threads = torch.get_num_threads()
     out = tmp_path_factory.mktemp("reference")
     try:
-        train(TrainConfig(**train_options(data, out)), log=lambda _: None)
+        train(TrainConfig.from_dict(train_options(data, out)), log=lambda _: None)
     finally:
         torch.set_num_threads(threads)
     return out
@@ -99,7 +99,7 @@ def test_f5_kill_while_writing_a_checkpoint_keeps_the_previous_one(
     assert load_common(step_directory(root, 5))["step"] == 5
     # A restart resumes from step 5 and ends exactly where an uninterrupted run ends.
     logged: list[str] = []
-    train(TrainConfig(**options), log=logged.append)
+    train(TrainConfig.from_dict(options), log=logged.append)
     assert any("step-00000005 at step 5" in line for line in logged), logged
     ours, theirs = final_checkpoint(tmp_path), final_checkpoint(reference)
     for part in ("step", "model", "optimizer", "preconditioner"):
@@ -122,7 +122,7 @@ def _resume_each(
                 timeout=timedelta(seconds=30),
             )
         try:
-            summary = train(TrainConfig(**options[rank % len(options)]), log=lambda _: None)
+            summary = train(TrainConfig.from_dict(options[rank % len(options)]), log=lambda _: None)
             outcomes[name] = ("ok", summary.steps, summary.replicas_identical)
         except Exception as error:  # train() left the process group; the next one joins anew
             outcomes[name] = (type(error).__name__, str(error))

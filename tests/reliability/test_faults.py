@@ -165,7 +165,8 @@ def test_f7_two_rank_checkpoint_resumes_on_one_rank(
     shutil.copytree(uninterrupted, out)
     saved = final_checkpoint(out)
     logged: list[str] = []
-    summary = train(TrainConfig(**train_options(data, out, max_steps=STEPS + 4)), log=logged.append)
+    options = train_options(data, out, max_steps=STEPS + 4)
+    summary = train(TrainConfig.from_dict(options), log=logged.append)
     # The run flushed subnormal floats (TrainConfig's default) only while it ran.
     assert torch.tensor([1e-323], dtype=torch.float64).item() > 0
     assert any("resuming a 2-rank checkpoint on 1 ranks" in line for line in logged), logged

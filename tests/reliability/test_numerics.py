@@ -33,7 +33,9 @@ def _failing_worker(
     """Rank 1's Cholesky and eigh raise at ``fail_steps``: it owns (and must still send) CT
     inverses, and its NCT inversions fail while rank 0's succeed."""
     model = DistributedDataParallel(_model())
-    precond = KFACPreconditioner(model, strategy="mpd-kfac", max_inverse_failures=tolerance)
+    precond = KFACPreconditioner(
+        model, strategy="mpd-kfac", max_inverse_failures=tolerance, inv_update_steps=1
+    )  # an inversion at every step, so each of ``fail_steps`` fails one
     real_cholesky, real_eigh = torch.linalg.cholesky_ex, torch.linalg.eigh
 
     def broken(*args: object, **kwargs: object) -> object:

@@ -19,7 +19,7 @@ import spdkfac.support.optional
 from optional_helpers import ALL_OPTIONAL, ERRORS, break_packages
 from spdkfac.bench.report import write_outputs
 from spdkfac.bench.results import BenchResults, VariantResult
-from spdkfac.calibrate import calibrate, plot_calibration
+from spdkfac.calibrate import CalibrationPlan, calibrate, plot_calibration
 from spdkfac.cli.main import main
 from spdkfac.comm import LocalCommunicator
 from spdkfac.data import load_image_folder
@@ -150,7 +150,8 @@ def test_matplotlib_sites(
     error: str,
 ) -> None:
     break_packages(monkeypatch, tmp_path / "broken", ["matplotlib"], error)
-    calibration = calibrate(LocalCommunicator(), dims=(8, 16), sizes_bytes=(4096,), repeats=1)
+    plan = CalibrationPlan(dims=(8, 16), sizes_bytes=(4096,), repeats=1)
+    calibration = calibrate(LocalCommunicator(), plan)
     assert not plot_calibration(calibration, None, tmp_path / "fit.png")
     out = capsys.readouterr().out
     assert out.count("skipped") == 1 and "matplotlib" in out

@@ -9,9 +9,20 @@ import torch
 from torch import nn
 
 from spdkfac.comm import LocalCommunicator
-from spdkfac.training.checkpoint import CheckpointError, latest_checkpoint, step_directory
+from spdkfac.training.checkpoint import (
+    CheckpointError,
+    atomic_torch_save,
+    latest_checkpoint,
+    publish_latest,
+    step_directory,
+)
 from spdkfac.training.config import TrainConfig
-from spdkfac.training.persistence import KEEP_CHECKPOINTS, restore_checkpoint, save_checkpoint
+from spdkfac.training.persistence import (
+    KEEP_CHECKPOINTS,
+    CheckpointPayload,
+    restore_checkpoint,
+    save_checkpoint,
+)
 
 __all__: list[str] = []
 
@@ -26,10 +37,8 @@ def _parts(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    save_checkpoint(
-        root,
-        LocalCommunicator(),
-        TrainConfig(optimizer="sgd"),
+    payload = CheckpointPayload(
+        config=TrainConfig(optimizer="sgd"),
         step=step,
         train_seconds=1.5 * step,
         metrics=[{"epoch": 1, "step": step}],
@@ -38,6 +47,7 @@ def _save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimi
         preconditioner=None,
         rank_state={"mixup": None, "epoch_losses": [0.5, 0.25]},
     )
+    save_checkpoint(root, LocalCommunicator(), payload)
 
 
 def test_save_then_restore_round_trips(tmp_path: Path) -> None:
@@ -57,6 +67,10 @@ def test_save_then_restore_round_trips(tmp_path: Path) -> None:
     assert restored.metrics == [{"epoch": 1, "step": 7}]
     assert restored.rank_state == {"format": 1, "mixup": None, "epoch_losses": [0.5, 0.25]}
     assert restored.directory == step_directory(tmp_path, 7)
+    common = torch.load(restored.directory / "common.pt", weights_only=True)
+    assert list(common) == ["format", "config", "world_size", "step", "train_seconds",
+                            "metrics", "model", "optimizer", "preconditioner"]  # fmt: skip
+    assert common["config"] == TrainConfig(optimizer="sgd").to_dict()
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert str(optimizer.state_dict()) == str(fresh_optimizer.state_dict())
@@ -79,3 +93,43 @@ def test_nothing_to_restore_and_incompatible_configs(tmp_path: Path) -> None:
     _save(tmp_path, 3, model, optimizer)
     with pytest.raises(CheckpointError, match="differs in lr"):
         restore_checkpoint(tmp_path, comm, TrainConfig(optimizer="sgd", lr=0.5), **kwargs)
+
+
+def test_a_checkpoint_written_before_the_kfac_options_were_nested_resumes(
+    tmp_path: Path,
+) -> None:
+    # common.pt as written then: its config the flat options of that time (no
+    # inverse_method, comm_scheduler, weight_sharing, factor_examples, flush_denormal, ...).
+    old = {
+        "model": "mlp", "dataset": "fashion-mnist", "epochs": 2, "batch_size": 16,
+        "accumulation_steps": 1, "optimizer": "kfac", "lr": 0.05, "momentum": 0.9,
+        "nesterov": False, "weight_decay": 0.0005, "lr_schedule": "cosine",
+        "warmup_epochs": 0.0, "milestones": [], "lr_gamma": 0.1, "poly_power": 2.0,
+        "poly_start_epoch": 0.0, "strategy": "spd-kfac", "damping": 0.3,
+        "damping_warmup_steps": 0, "kl_clip": 0.001, "factor_decay": 0.95,
+        "factor_update_steps": 1, "inv_update_steps": 3, "stale_factor_update_steps": 10,
+        "stale_inv_update_steps": 100, "stale_growth_steps": 0, "batchnorm": "off",
+        "batchnorm_damping_multiplier": 1.0, "seed": 0, "out_dir": str(tmp_path),
+        "checkpoint_every": 5, "resume": True, "target_accuracy": 0.92, "tensorboard": False,
+        "config": None,
+    }  # fmt: skip
+    model, optimizer = _parts(0)
+    directory = step_directory(tmp_path, 5)
+    atomic_torch_save(
+        directory / "common.pt",
+        {"format": 1, "config": old, "world_size": 1, "step": 5, "train_seconds": 2.0,
+         "metrics": [], "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+         "preconditioner": None},
+    )  # fmt: skip
+    atomic_torch_save(directory / "rank-0.pt", {"format": 1, "mixup": None})
+    publish_latest(tmp_path, 5)
+    config = TrainConfig.from_dict(old)
+    assert (config.kfac.damping, config.kfac.inv_update_steps) == (0.3, 3)
+    comm = LocalCommunicator()
+    fresh, fresh_optimizer = _parts(1)
+    objects = {"module": fresh, "optimizer": fresh_optimizer, "preconditioner": None}
+    restored = restore_checkpoint(tmp_path, comm, config, **objects)
+    assert restored is not None and restored.step == 5
+    changed = TrainConfig.from_dict({**old, "damping": 0.1, "weight_sharing": "reduce"})
+    with pytest.raises(CheckpointError, match="differs in damping, weight_sharing"):
+        restore_checkpoint(tmp_path, comm, changed, **objects)

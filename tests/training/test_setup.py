@@ -10,6 +10,7 @@ from torch import nn
 
 from spdkfac.cli.main import build_parser
 from spdkfac.cli.train import _config_from_args
+from spdkfac.config import KFACConfig
 from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.training.config import LR_SCHEDULES, TrainConfig
 from spdkfac.training.loop import cross_entropy_pass, train_step
@@ -31,8 +32,9 @@ def _model() -> nn.Module:
 
 def test_the_clip_sees_the_scheduled_lr_exactly_as_the_old_callable() -> None:
     # A tight KL clip, so every step is clipped and the lr enters every update.
+    kfac = KFACConfig(damping=0.1, kl_clip=1e-5, inv_update_steps=2)
     config = TrainConfig(model="mlp", lr=0.5, lr_schedule="cosine", warmup_epochs=1.0,
-                         epochs=2, damping=0.1, kl_clip=1e-5, inv_update_steps=2)  # fmt: skip
+                         epochs=2, kfac=kfac)  # fmt: skip
     steps_per_epoch = 3
     ours = _model()
     lr_fn, optimizer, precond = make_optimizers(config, ours, steps_per_epoch)

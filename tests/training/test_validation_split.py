@@ -51,7 +51,7 @@ def test_text_val_split_is_the_tail_of_the_training_split(tmp_path: Path) -> Non
     corpus.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes: 9,216 for training
     config = TrainConfig(model="gpt", dataset="text", data=str(corpus), seq_len=16)
     plain = TextTask().load(config)
-    carved = TextTask().load(TrainConfig(**{**config.to_dict(), "val_split": 0.25}))
+    carved = TextTask().load(TrainConfig.from_dict({**config.to_dict(), "val_split": 0.25}))
     train = load_text_corpus(corpus, seq_len=16).train
     assert len(train) == 9216
     cut = 9216 - 2304
@@ -62,7 +62,7 @@ def test_text_val_split_is_the_tail_of_the_training_split(tmp_path: Path) -> Non
     assert torch.equal(carved.evaluation[0][1], train[cut + 16 : cut + 32].long())
     assert torch.equal(carved.final[0], plain.final[0])  # type: ignore[index]
     with pytest.raises(TextCorpusError, match=r"val_split 0\.999 of the 9216-byte training split"):
-        TextTask().load(TrainConfig(**{**config.to_dict(), "val_split": 0.999}))
+        TextTask().load(TrainConfig.from_dict({**config.to_dict(), "val_split": 0.999}))
 
 
 def test_a_training_run_with_val_split_reports_validation_accuracy(

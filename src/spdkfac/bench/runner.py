@@ -32,13 +32,15 @@ from spdkfac.comm import (
     init_distributed,
     timed_allreduce_hook,
 )
-from spdkfac.config import resolve_config
+from spdkfac.config import KFACConfig, resolve_config
 from spdkfac.costmodel import CostModel, resolve_cost_model
 from spdkfac.data.text import VOCAB_SIZE
 from spdkfac.layers import FactorOptions
 from spdkfac.models import ModelKind, build_model, model_kind
 from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.profiling import Event, Phase, Profiler, breakdown, span_name
+from spdkfac.strategies import AutoStrategy
+from spdkfac.support.checks import check_number
 from spdkfac.training.loop import StepHooks, cross_entropy_pass, train_step
 from spdkfac.training.setup import configure_cpu
 
@@ -69,7 +71,7 @@ class BenchOptions:
     inv_update_steps: int = 1
     fusion_warmup_steps: int | None = None
     lr: float = 0.01
-    damping: float = 0.003
+    damping: float = check_number("damping", KFACConfig().damping)  # the library's default
     factor_examples: int | None = None
     input_size: int = 32
     in_channels: int = 3
@@ -222,8 +224,10 @@ class _VariantRun:
     def trying(self) -> bool:
         """Whether ``strategy="auto"`` is still trying candidates."""
         precond = self.precond
-        return precond is not None and (
-            precond.config.strategy == "auto" and precond.strategy_choice is None
+        return (
+            precond is not None
+            and isinstance(precond.config.selection, AutoStrategy)
+            and precond.strategy_choice is None
         )
 
     @property

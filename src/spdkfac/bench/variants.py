@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 
-from spdkfac.strategies import AUTO_CANDIDATES, SGD, STRATEGIES, Strategy
+from spdkfac.config import KFACConfig
+from spdkfac.strategies import SGD, STRATEGIES, AutoStrategy, Strategy
 
 __all__ = [
     "ONE_VARIANT",
@@ -21,64 +22,75 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Variant:
-    """One optimizer configuration of the benchmark: a row of the strategy table.
+    """One optimizer configuration of the benchmark: a row of the strategy table, or the
+    :class:`~spdkfac.strategies.AutoStrategy` that chooses one of its rows online.
 
     Attributes:
-        row: The strategy (:data:`~spdkfac.strategies.SGD` for plain momentum SGD).
+        selection: The strategy (:data:`~spdkfac.strategies.SGD` for plain momentum SGD).
     """
 
-    row: Strategy
+    selection: Strategy | AutoStrategy
+
+    @property
+    def name(self) -> str:
+        """Key of :data:`VARIANTS`."""
+        return self.selection.name
+
+    @property
+    def row(self) -> Strategy | None:
+        """The fixed composition it runs (None: chosen online)."""
+        return None if isinstance(self.selection, AutoStrategy) else self.selection
+
+    @property
+    def chosen_online(self) -> bool:
+        """``strategy="auto"``: its policies are chosen while it runs."""
+        return self.row is None
 
     @property
     def kfac(self) -> Mapping[str, str] | None:
         """``KFACPreconditioner`` keyword arguments (read-only), or None for SGD."""
-        options = self.row.options
+        options = {"strategy": self.selection.name} if self.row is None else self.row.options
         return None if options is None else MappingProxyType(options)
 
     @property
     def description(self) -> str:
         """One line for the report."""
+        if self.row is None:
+            tried = ", ".join(row.name for row in self.selection.rows)
+            return (
+                f"{self.name}: the fastest of {tried}, measured online (its trial iterations "
+                "come before the measured ones and are not counted)"
+            )
         return self.row.description
 
     @property
     def uses_kfac(self) -> bool:
         """False for the SGD baseline."""
-        return self.row.uses_kfac
+        return self.row is None or self.row.uses_kfac
 
     @property
     def strategy(self) -> str | None:
         """The preset strategy (None for SGD)."""
-        return self.row.base
-
-    @property
-    def chosen_online(self) -> bool:
-        """``strategy="auto"``: its policies are chosen while it runs."""
-        return self.row.base == "auto"
+        return self.name if self.row is None else self.row.base
 
     @property
     def factor_exchange(self) -> str | None:
-        """The fusion policy in effect (None for SGD)."""
-        return "auto" if self.chosen_online else self.row.factor_exchange
+        """The fusion policy in effect (None for SGD; chosen online: the variant's name)."""
+        return self.name if self.row is None else self.row.factor_exchange
 
     @property
     def placement(self) -> str | None:
-        """The inverse placement in effect (None for SGD)."""
-        return "auto" if self.chosen_online else self.row.placement
+        """The inverse placement in effect (None for SGD; chosen online: the variant's name)."""
+        return self.name if self.row is None else self.row.placement
 
 
-#: ``strategy="auto"`` as a benchmark row (it starts as its first candidate).
-AUTO = replace(
-    STRATEGIES[AUTO_CANDIDATES[0]],
-    name="auto",
-    base="auto",
-    overrides={},
-    description=f"auto: the fastest of {', '.join(AUTO_CANDIDATES)}, measured online (its "
-    "trial iterations come before the measured ones and are not counted)",
-)
+#: ``strategy="auto"`` as a benchmark variant: the selection a preconditioner with the
+#: default candidates makes.
+AUTO = KFACConfig(strategy="auto").selection
 
 #: Every variant the benchmark knows, in the order the report lists them.
 VARIANTS: Mapping[str, Variant] = MappingProxyType(
-    {row.name: Variant(row) for row in (SGD, *STRATEGIES.values(), AUTO)}
+    {selection.name: Variant(selection) for selection in (SGD, *STRATEGIES.values(), AUTO)}
 )
 
 #: Names ``--variants`` expands.
@@ -163,16 +175,17 @@ def after_backward_baseline(name: str, names: Sequence[str]) -> str | None:
 
     A variant that already exchanges after backward is its own baseline; SGD has none.
     """
-    variant = VARIANTS[name]
-    if not variant.uses_kfac or variant.chosen_online:
+    row = VARIANTS[name].row
+    if row is None or not row.uses_kfac:
         return None
     for other in names:
         candidate = VARIANTS[other].row
         if (
-            candidate.fusion is not None
+            candidate is not None
+            and candidate.fusion is not None
             and not candidate.fusion.eager
-            and candidate.base == variant.strategy
-            and candidate.placement_policy == variant.row.placement_policy
+            and candidate.base == row.base
+            and candidate.placement_policy == row.placement_policy
         ):
             return other
     return None

@@ -19,6 +19,7 @@ from spdkfac.bench.report import record_link
 from spdkfac.bench.runner import BenchOptions, run_worker
 from spdkfac.bench.variants import PRESETS, VARIANTS, parse_variants
 from spdkfac.cli.arguments import non_negative_int, positive_float, positive_int
+from spdkfac.config import KFACConfig
 from spdkfac.models import MODEL_NAMES, TEXT_MODELS
 from spdkfac.training.progress import ProgressBar
 
@@ -88,6 +89,7 @@ def add_parser(verbs: Any) -> None:
         default=True,
         help="treat subnormal floats as zero (torch.set_flush_denormal; default on)",
     )
+    # Every phase at every iteration (the breakdown's terms), not the library's intervals.
     add("--factor-update-steps", type=positive_int, default=1, help="K-FAC factor interval")
     add("--inv-update-steps", type=positive_int, default=1, help="K-FAC inverse interval")
     add(
@@ -97,7 +99,8 @@ def add_parser(verbs: Any) -> None:
         help="factor steps the optimal fusion measures before planning (default: --warmup)",
     )
     add("--lr", type=positive_float, default=0.01, help="SGD learning rate")
-    add("--damping", type=positive_float, default=0.003, help="K-FAC damping")
+    damping = KFACConfig().damping
+    add("--damping", type=positive_float, default=damping, help=f"K-FAC damping ({damping})")
     add(
         "--factor-examples",
         type=positive_int,

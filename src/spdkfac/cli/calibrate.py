@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from spdkfac.calibrate import calibrate, format_report, plot_calibration
+from spdkfac.calibrate import (
+    CalibrationPlan,
+    FactorWorkload,
+    calibrate,
+    format_report,
+    plot_calibration,
+)
 from spdkfac.cli.arguments import positive_float, positive_int
 from spdkfac.comm import destroy_distributed, init_distributed
 from spdkfac.linalg import INVERSE_METHODS
@@ -157,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     comm = init_distributed()
     try:
         say = (lambda line: print(line, flush=True)) if comm.rank == 0 else None
-        model, batch = None, None
+        factors = None
         if args.model is not None:
             torch.manual_seed(0)  # every rank times the same layers and shapes
             model = build_model(
@@ -171,20 +177,23 @@ def run(args: argparse.Namespace) -> int:
                 torch.randn(shape, device=comm.device),
                 torch.randint(0, 10, (args.batch_size,), device=comm.device),
             )
+            factors = FactorWorkload(model, batch)
         if say is not None:
             say(
                 f"calibrating: world size {comm.world_size}, {args.threads} thread(s) per rank, "
                 f"budget {args.max_seconds:g} s"
             )
-        calibration = calibrate(
-            comm,
+        plan = CalibrationPlan(
             dims=args.dims,
             sizes_bytes=args.sizes,
             repeats=args.repeats,
             method=args.method,
             max_seconds=args.max_seconds,
-            model=model,
-            batch=batch,
+        )
+        calibration = calibrate(
+            comm,
+            plan,
+            factors=factors,
             log=say,
             extra_metadata=(
                 {"model": args.model, "batch_size": args.batch_size, "input_size": args.input_size}

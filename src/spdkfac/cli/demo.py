@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 from spdkfac.cli.arguments import positive_float, positive_int
 from spdkfac.comm import Communicator, destroy_distributed, init_distributed
+from spdkfac.config import KFACConfig
 from spdkfac.data import DEFAULT_FASHION_MNIST_DIR, load_fashion_mnist
 from spdkfac.models import MODEL_NAMES, build_model
 from spdkfac.preconditioner import KFACPreconditioner
@@ -25,6 +26,9 @@ from spdkfac.training.loop import cross_entropy_pass, train_step
 from spdkfac.training.progress import ProgressBar
 
 __all__ = ["EpochResult", "add_parser", "run"]
+
+#: The library's K-FAC defaults, which the demo's K-FAC flags start from.
+_KFAC = KFACConfig()
 
 
 @dataclass(frozen=True)
@@ -60,23 +64,21 @@ def add_parser(verbs: Any) -> None:
     parser.add_argument("--epochs", type=positive_int, default=2, help="epochs per optimizer")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="batch size per worker")
     parser.add_argument(
-        "--strategy", choices=STRATEGY_NAMES, default="spd-kfac", help="distributed K-FAC"
+        "--strategy", choices=STRATEGY_NAMES, default=_KFAC.strategy, help="distributed K-FAC"
     )
     parser.add_argument("--sgd-lr", type=positive_float, default=0.05, help="SGD learning rate")
     parser.add_argument(
         "--kfac-lr", type=positive_float, default=0.05, help="learning rate with K-FAC"
     )
-    # This CNN has no BatchNorm; with the factor conventions of docs/guide.md its G factors
-    # are small, so the damping that keeps momentum SGD + K-FAC stable is far above the
-    # library default.
-    parser.add_argument("--damping", type=positive_float, default=0.3, help="K-FAC damping")
-    parser.add_argument("--kl-clip", type=positive_float, default=1e-3, help="K-FAC KL clip")
-    parser.add_argument(
-        "--factor-update-steps", type=positive_int, default=10, help="K-FAC factor interval"
-    )
-    parser.add_argument(
-        "--inv-update-steps", type=positive_int, default=10, help="K-FAC inverse interval"
-    )
+    # K-FAC's flags default to the library's options (KFACConfig), as spdkfac train's do.
+    kfac_flags = {
+        "--damping": ("K-FAC damping", positive_float, _KFAC.damping),
+        "--kl-clip": ("K-FAC KL clip", positive_float, _KFAC.kl_clip),
+        "--factor-update-steps": ("K-FAC factor interval", positive_int, _KFAC.factor_update_steps),
+        "--inv-update-steps": ("K-FAC inverse interval", positive_int, _KFAC.inv_update_steps),
+    }
+    for flag, (text, kind, default) in kfac_flags.items():
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
     parser.add_argument(
         "--train-limit",
         type=positive_int,
@@ -107,6 +109,17 @@ def _evaluate(model: nn.Module, dataset: TensorDataset, comm: Communicator) -> f
     return float(counts[0] / counts[1])
 
 
+def _kfac_config(args: argparse.Namespace) -> KFACConfig:
+    """The K-FAC options the flags give (the others: the library's defaults)."""
+    return KFACConfig(
+        strategy=args.strategy,
+        damping=args.damping,
+        kl_clip=args.kl_clip,
+        factor_update_steps=args.factor_update_steps,
+        inv_update_steps=args.inv_update_steps,
+    )
+
+
 def _train(
     optimizer_name: str,
     args: argparse.Namespace,
@@ -124,12 +137,8 @@ def _train(
     precond = (
         KFACPreconditioner(
             model,
+            config=_kfac_config(args),
             optimizer=optimizer,  # the KL clip reads the optimizer's (constant) lr
-            damping=args.damping,
-            kl_clip=args.kl_clip,
-            factor_update_steps=args.factor_update_steps,
-            inv_update_steps=args.inv_update_steps,
-            strategy=args.strategy,
         )
         if use_kfac
         else None

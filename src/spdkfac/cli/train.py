@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any
 
@@ -165,39 +164,44 @@ def add_parser(verbs: Any) -> None:
         ),
     )
     parser.add_argument("--config", help="TOML or YAML file of options")
-    defaults = TrainConfig()
-    for spec in dataclasses.fields(TrainConfig):
-        if spec.name == "config":
-            continue
-        flag = "--" + spec.name.replace("_", "-")
-        default = getattr(defaults, spec.name)
+    # One flag per option of the flat form (the K-FAC ones build TrainConfig.kfac), its
+    # default the configuration's (KFACConfig's for K-FAC).
+    for name, default in _defaults().items():
+        flag = "--" + name.replace("_", "-")
         # The sentinel default tells flags given on the command line (they win over the
         # config file) from defaults.
         kwargs: dict[str, Any] = {
-            "dest": spec.name,
-            "help": f"{_HELP[spec.name]} (default: {default})",
+            "dest": name,
+            "help": f"{_HELP[name]} (default: {default})",
             "default": _UNSET,
         }
         if isinstance(default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs.update(_ARGUMENTS.get(spec.name, {"type": type(default)}))
+            kwargs.update(_ARGUMENTS.get(name, {"type": type(default)}))
         parser.add_argument(flag, **kwargs)
     parser.set_defaults(run=run, _parser=parser)
+
+
+def _defaults() -> dict[str, Any]:
+    """Every option's default, in the flat form (``--config`` aside)."""
+    values = TrainConfig().to_dict()
+    values.pop("config")
+    return values
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the config file, then the flags given on the command line."""
     parser: argparse.ArgumentParser = args._parser
-    values = TrainConfig().to_dict()
-    values.pop("config")
+    values = _defaults()
+    names = list(values)
     try:
         if args.config is not None:
             values.update(load_config_file(args.config))
-        for spec in dataclasses.fields(TrainConfig):
-            given = getattr(args, spec.name, _UNSET)
-            if spec.name != "config" and given is not _UNSET:
-                values[spec.name] = given
+        for name in names:
+            given = getattr(args, name, _UNSET)
+            if given is not _UNSET:
+                values[name] = given
         if values.get("kl_clip") == 0:
             values["kl_clip"] = None
         return TrainConfig.from_dict({**values, "config": args.config})

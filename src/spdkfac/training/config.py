@@ -1,4 +1,10 @@
-"""The ``spdkfac train`` configuration: one frozen dataclass, validated, file round trip."""
+"""The ``spdkfac train`` configuration: one frozen dataclass, validated, file round trip.
+
+Its K-FAC options are a nested :class:`~spdkfac.config.KFACConfig` (``kfac``: the
+library's options and defaults, defined once) and Osawa et al.'s schedules over them
+(``kfac_schedules``); files and checkpoints hold the flat form, one key per
+``spdkfac train`` flag (:mod:`spdkfac.training.kfac_options` translates).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
-from spdkfac.forms import FORM_METHODS
-from spdkfac.layers.batchnorm import BATCHNORM_MODES
+from spdkfac.config import KFACConfig
 from spdkfac.models import BUILTIN_MODEL_NAMES, TORCHVISION_PREFIX, ModelKind, model_kind
-from spdkfac.planning.schedule import COMM_SCHEDULERS
-from spdkfac.strategies import STRATEGY_NAMES
 from spdkfac.support.checks import check_choice, check_int, check_number
 from spdkfac.support.optional import (
     OptionalPackageError,
@@ -19,6 +22,14 @@ from spdkfac.support.optional import (
     optional_import,
     require,
     unavailable_reason,
+)
+from spdkfac.training.kfac_options import (
+    BATCHNORM_CURVATURES,
+    KFAC_FLAGS,
+    KFACSchedules,
+    check_train_kfac,
+    kfac_from_flat,
+    kfac_to_flat,
 )
 from spdkfac.types import WeightSharing
 
@@ -31,6 +42,7 @@ __all__ = [
     "OPTIMIZERS",
     "RESUMABLE_CHANGES",
     "WEIGHT_SHARINGS",
+    "KFACSchedules",
     "TrainConfig",
     "check_model_name",
     "incompatible_fields",
@@ -53,8 +65,6 @@ KFAC_OPTIMIZERS: frozenset[str] = frozenset({"kfac", "kfac-adamw"})
 LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
 #: ``--weight-sharing`` values (``KFACPreconditioner``'s ``weight_sharing``).
 WEIGHT_SHARINGS: tuple[str, ...] = get_args(WeightSharing)
-#: ``--batchnorm`` values: "off" (plain gradient) or a mode of ``KFACPreconditioner``.
-BATCHNORM_CURVATURES: tuple[str, ...] = ("off", *BATCHNORM_MODES)
 #: Fields a resumed run may change; any other difference refuses the checkpoint.
 RESUMABLE_CHANGES: frozenset[str] = frozenset(
     {"epochs", "max_steps", "out_dir", "resume", "checkpoint_every", "threads",
@@ -83,7 +93,13 @@ def check_model_name(name: object) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Everything that defines a training run (see ``spdkfac train --help`` for each)."""
+    """Everything that defines a training run (see ``spdkfac train --help`` for each).
+
+    ``kfac`` holds the K-FAC options (:class:`~spdkfac.config.KFACConfig`, with its
+    defaults; only those ``spdkfac train`` has a flag for may differ from them, so that
+    the run's files hold it whole), ``kfac_schedules`` the damping warm-up and stale
+    refresh intervals over them. :meth:`from_dict` reads the flat form of the flags.
+    """
 
     model: str = "resnet20"
     dataset: str = "fashion-mnist"
@@ -101,7 +117,6 @@ class TrainConfig:
     eval_every: int | None = None
     evals_per_epoch: int | None = None
     batch_size: int = 128
-    accumulation_steps: int = 1
     optimizer: str = "kfac"
     lr: float = 0.1
     momentum: float = 0.9
@@ -116,24 +131,8 @@ class TrainConfig:
     poly_start_epoch: float = 0.0
     poly_end_epoch: float | None = None
     lr_schedule_steps: int | None = None
-    strategy: str = "spd-kfac"
-    inverse_method: str = "cholesky"
-    comm_scheduler: str = "fifo"
-    damping: float = 0.1
-    damping_initial: float | None = None
-    damping_warmup_steps: int = 0
-    kl_clip: float | None = 0.001
-    factor_decay: float = 0.95
-    factor_update_steps: int = 1
-    inv_update_steps: int = 10
-    stale_switch_step: int | None = None
-    stale_factor_update_steps: int = 10
-    stale_inv_update_steps: int = 100
-    stale_growth_steps: int = 0
-    weight_sharing: str = "expand"
-    factor_examples: int | None = None
-    batchnorm: str = "off"
-    batchnorm_damping_multiplier: float = 1.0
+    kfac: KFACConfig = field(default_factory=KFACConfig)
+    kfac_schedules: KFACSchedules = field(default_factory=KFACSchedules)
     weight_rescaling: bool = False
     mixup_alpha: float = 0.0
     random_erasing: float = 0.0
@@ -155,27 +154,21 @@ class TrainConfig:
         check_choice("dataset", self.dataset, DATASETS)
         check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        check_choice("strategy", self.strategy, STRATEGY_NAMES)
-        check_choice("inverse_method", self.inverse_method, FORM_METHODS)
-        check_choice("comm_scheduler", self.comm_scheduler, COMM_SCHEDULERS)
-        check_choice("batchnorm", self.batchnorm, BATCHNORM_CURVATURES)
-        check_choice("weight_sharing", self.weight_sharing, WEIGHT_SHARINGS)
-        check_number("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
-        for name in ("epochs", "batch_size", "accumulation_steps", "image_size", "seq_len",
-                     "gpt_layers", "gpt_heads", "gpt_dim", "factor_update_steps",
-                     "inv_update_steps", "stale_factor_update_steps",
-                     "stale_inv_update_steps"):  # fmt: skip
+        check_train_kfac(self.kfac)
+        if not isinstance(self.kfac_schedules, KFACSchedules):
+            raise ValueError(f"kfac_schedules must be a KFACSchedules, got {self.kfac_schedules!r}")
+        for name in ("epochs", "batch_size", "image_size", "seq_len", "gpt_layers", "gpt_heads",
+                     "gpt_dim"):  # fmt: skip
             check_int(name, getattr(self, name), low=1)
-        for name in ("damping_warmup_steps", "checkpoint_every", "seed", "stale_growth_steps"):
+        for name in ("checkpoint_every", "seed"):
             check_int(name, getattr(self, name), low=0)
-        for name in ("max_steps", "threads", "stale_switch_step", "train_limit", "eval_every",
-                     "evals_per_epoch", "lr_schedule_steps", "factor_examples"):  # fmt: skip
+        for name in ("max_steps", "threads", "train_limit", "eval_every", "evals_per_epoch",
+                     "lr_schedule_steps"):  # fmt: skip
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1)
         if self.warmup_steps is not None:
             check_int("warmup_steps", self.warmup_steps, low=0)
-        for name in ("lr", "damping", "factor_decay", "lr_gamma", "poly_power",
-                     "collective_timeout"):  # fmt: skip
+        for name in ("lr", "lr_gamma", "poly_power", "collective_timeout"):
             check_number(name, getattr(self, name))
         for name in ("weight_decay", "warmup_epochs", "mixup_alpha", "poly_start_epoch"):
             check_number(name, getattr(self, name), low_inclusive=True)
@@ -185,10 +178,8 @@ class TrainConfig:
             )
         for name in ("random_erasing", "label_smoothing", "target_accuracy", "gpt_dropout"):
             check_number(name, getattr(self, name), low_inclusive=True, high=1.0)
-        check_number("factor_decay", self.factor_decay, high=1.0)
-        for name in ("kl_clip", "damping_initial", "poly_end_epoch"):
-            if getattr(self, name) is not None:
-                check_number(name, getattr(self, name))
+        if self.poly_end_epoch is not None:
+            check_number("poly_end_epoch", self.poly_end_epoch)
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov needs momentum > 0, got momentum=0")
         for milestone in self.milestones:
@@ -231,28 +222,50 @@ class TrainConfig:
         return self.optimizer in KFAC_OPTIMIZERS
 
     @property
+    def accumulation_steps(self) -> int:
+        """Forward/backward passes per optimizer step (``kfac.accumulation_steps``: K-FAC
+        averages the passes' statistics; the same for every optimizer)."""
+        return self.kfac.accumulation_steps
+
+    @property
     def base_optimizer(self) -> str:
         """The optimizer that applies the update: ``"sgd"``, ``"adamw"``, ``"muon"`` (Muon on
         hidden weight matrices, AdamW on the rest) or ``"soap"`` (heavyball's SOAP)."""
         return OPTIMIZERS[self.optimizer]
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (tuples as lists), for checkpoints and TOML."""
-        values = dataclasses.asdict(self)
+        """The flat form: one plain value per ``spdkfac train`` option (tuples as lists),
+        for checkpoints and TOML."""
+        values: dict[str, Any] = {}
+        for spec in dataclasses.fields(self):
+            if spec.name == "kfac":
+                values.update(kfac_to_flat(self.kfac))
+            elif spec.name == "kfac_schedules":
+                values.update(dataclasses.asdict(self.kfac_schedules))
+            else:
+                values[spec.name] = getattr(self, spec.name)
         values["milestones"] = list(self.milestones)
         return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError`` naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        """Inverse of :meth:`to_dict` (a missing option keeps its default); unknown keys
+        raise ``ValueError`` naming them."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"kfac", "kfac_schedules"}
+        scheduled = {f.name for f in dataclasses.fields(KFACSchedules)}
+        unknown = sorted(set(values) - own - scheduled - set(KFAC_FLAGS))
         if unknown:
             raise ValueError(f"unknown training option(s): {', '.join(unknown)}")
-        cleaned = dict(values)
+        cleaned = {key: value for key, value in values.items() if key in own}
         if "milestones" in cleaned:
             cleaned["milestones"] = tuple(cleaned["milestones"])
-        return cls(**cleaned)
+        return cls(
+            **cleaned,
+            kfac=kfac_from_flat(values),
+            kfac_schedules=KFACSchedules(
+                **{key: value for key, value in values.items() if key in scheduled}
+            ),
+        )
 
     def to_toml(self) -> str:
         """The configuration as a TOML document (None values are omitted)."""

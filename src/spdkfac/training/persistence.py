@@ -36,7 +36,13 @@ from spdkfac.training.checkpoint import (
 )
 from spdkfac.training.config import TrainConfig, incompatible_fields
 
-__all__ = ["KEEP_CHECKPOINTS", "Restored", "restore_checkpoint", "save_checkpoint"]
+__all__ = [
+    "KEEP_CHECKPOINTS",
+    "CheckpointPayload",
+    "Restored",
+    "restore_checkpoint",
+    "save_checkpoint",
+]
 
 #: How many checkpoints :func:`save_checkpoint` keeps (the newest ones).
 KEEP_CHECKPOINTS = 2
@@ -44,6 +50,31 @@ KEEP_CHECKPOINTS = 2
 _RECORD_BYTES = 1024
 _HEADER = struct.Struct("<Bq32s")  # status, step, sha256 of common.pt
 _NONE, _LOADED, _FAILED = 0, 1, 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointPayload:
+    """What one checkpoint holds (rank 0's ``common.pt``: all but ``rank_state``).
+
+    Attributes:
+        config: The run's configuration, stored for the resume-time compatibility check.
+        step: Optimizer steps completed.
+        train_seconds: Training time so far.
+        metrics: The per-epoch rows so far, as plain dicts.
+        module: The model (unwrapped from ``DistributedDataParallel``).
+        optimizer: Its optimizer.
+        preconditioner: K-FAC, or None.
+        rank_state: This rank's own state (plain values and tensors), its ``rank-R.pt``.
+    """
+
+    config: TrainConfig
+    step: int
+    train_seconds: float
+    metrics: Sequence[Mapping[str, Any]]
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    preconditioner: KFACPreconditioner | None
+    rank_state: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -58,62 +89,40 @@ class Restored:
     rank_state: dict[str, Any] | None
 
 
-def save_checkpoint(
-    root: Path,
-    comm: Communicator,
-    config: TrainConfig,
-    *,
-    step: int,
-    train_seconds: float,
-    metrics: Sequence[Mapping[str, Any]],
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    preconditioner: KFACPreconditioner | None,
-    rank_state: Mapping[str, Any],
-) -> None:
-    """Write the checkpoint of ``step`` under ``root`` and point ``latest`` at it.
+def save_checkpoint(root: Path, comm: Communicator, payload: CheckpointPayload) -> None:
+    """Write the checkpoint of ``payload.step`` under ``root`` (``OUT/checkpoints``) and
+    point ``latest`` at it.
 
     A collective: every rank calls it. Rank 0 writes ``common.pt`` (model, optimizer,
     preconditioner, counters, config), each rank its ``rank-R.pt`` (``rank_state``); once
     every file is on disk rank 0 moves ``latest`` and deletes all but the newest
     :data:`KEEP_CHECKPOINTS` checkpoints.
-
-    Args:
-        root: The checkpoint directory (``OUT/checkpoints``).
-        comm: This rank's communicator.
-        config: The run's configuration, stored for the resume-time compatibility check.
-        step: Optimizer steps completed.
-        train_seconds: Training time so far.
-        metrics: The per-epoch rows so far, as plain dicts.
-        module: The model (unwrapped from ``DistributedDataParallel``).
-        optimizer: Its optimizer.
-        preconditioner: K-FAC, or None.
-        rank_state: This rank's own state (plain values and tensors).
     """
-    directory = step_directory(root, step)
+    directory = step_directory(root, payload.step)
+    precond = payload.preconditioner
     # Every rank: with strategy="osawa" state_dict() gathers the owners' factors.
-    precond_state = None if preconditioner is None else preconditioner.state_dict()
+    precond_state = None if precond is None else precond.state_dict()
     if comm.rank == 0:
         atomic_torch_save(
             directory / "common.pt",
             {
                 "format": CHECKPOINT_FORMAT,
-                "config": config.to_dict(),
+                "config": payload.config.to_dict(),
                 "world_size": comm.world_size,
-                "step": step,
-                "train_seconds": train_seconds,
-                "metrics": list(metrics),
-                "model": module.state_dict(),
-                "optimizer": optimizer.state_dict(),
+                "step": payload.step,
+                "train_seconds": payload.train_seconds,
+                "metrics": list(payload.metrics),
+                "model": payload.module.state_dict(),
+                "optimizer": payload.optimizer.state_dict(),
                 "preconditioner": precond_state,
             },
         )
     atomic_torch_save(
-        directory / f"rank-{comm.rank}.pt", {"format": CHECKPOINT_FORMAT, **rank_state}
+        directory / f"rank-{comm.rank}.pt", {"format": CHECKPOINT_FORMAT, **payload.rank_state}
     )
     barrier(comm)  # every rank's file is on disk before the pointer moves
     if comm.rank == 0:
-        publish_latest(root, step)
+        publish_latest(root, payload.step)
         _prune(root)
     barrier(comm)
 

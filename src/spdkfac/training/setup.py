@@ -12,12 +12,11 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from spdkfac.config import KFACConfig
 from spdkfac.data import load_fashion_mnist
 from spdkfac.data.cifar10 import load_cifar10
 from spdkfac.data.imagefolder import load_image_folder
-from spdkfac.layers import FactorOptions
 from spdkfac.preconditioner import KFACPreconditioner
-from spdkfac.schedules import damping_warmup, stale_interval
 from spdkfac.training.config import TrainConfig
 from spdkfac.training.lr_schedules import cosine_lr, polynomial_lr, step_lr
 from spdkfac.training.optimizers import BASE_OPTIMIZERS, build_base_optimizer
@@ -37,7 +36,6 @@ __all__ = [
 ]
 
 FloatFn = Callable[[int], float]
-IntFn = Callable[[int], int]
 
 
 @contextlib.contextmanager
@@ -201,37 +199,15 @@ LR_SCHEDULE_BUILDERS: dict[str, Callable[[TrainConfig, int], FloatFn]] = {
 }
 
 
-def build_schedules(
-    config: TrainConfig, steps_per_epoch: int
-) -> tuple[FloatFn, float | FloatFn, int | IntFn, int | IntFn]:
-    """(lr, damping, factor interval, inverse interval) as functions of the step.
+def build_schedules(config: TrainConfig, steps_per_epoch: int) -> tuple[FloatFn, KFACConfig]:
+    """(lr as a function of the step, the K-FAC options with ``kfac_schedules`` applied).
 
     Raises:
         ValueError: When the options do not make a valid schedule (e.g. a polynomial decay
             starting before the warm-up ends).
     """
     lr = LR_SCHEDULE_BUILDERS[config.lr_schedule](config, steps_per_epoch)
-    damping: float | FloatFn = config.damping
-    if config.damping_initial is not None and config.damping_warmup_steps > 0:
-        damping = damping_warmup(
-            config.damping_initial, config.damping, config.damping_warmup_steps
-        )
-    factor: int | IntFn = config.factor_update_steps
-    inverse: int | IntFn = config.inv_update_steps
-    if config.stale_switch_step is not None:
-        factor = stale_interval(
-            config.factor_update_steps,
-            config.stale_factor_update_steps,
-            config.stale_switch_step,
-            growth_steps=config.stale_growth_steps,
-        )
-        inverse = stale_interval(
-            config.inv_update_steps,
-            config.stale_inv_update_steps,
-            config.stale_switch_step,
-            growth_steps=config.stale_growth_steps,
-        )
-    return lr, damping, factor, inverse
+    return lr, config.kfac_schedules.applied_to(config.kfac)
 
 
 def make_optimizers(
@@ -242,27 +218,10 @@ def make_optimizers(
     ``model`` is what the forward pass runs (wrapped in ``DistributedDataParallel`` under
     more than one rank); K-FAC is constructed on it, a collective when there are ranks.
     """
-    lr, damping, factor_steps, inv_steps = build_schedules(config, steps_per_epoch)
+    lr, kfac = build_schedules(config, steps_per_epoch)
     optimizer = build_base_optimizer(config, model, lr(0))
     if not config.uses_kfac:
         return lr, optimizer, None
-    precond = KFACPreconditioner(
-        model,
-        damping=damping,
-        factor_decay=config.factor_decay,
-        factor_update_steps=factor_steps,
-        inv_update_steps=inv_steps,
-        kl_clip=config.kl_clip,
-        # The KL clip reads each layer's learning rate from the optimizer: the trainer sets
-        # the schedule's lr(step) on it before every step, so the clip sees that rate.
-        optimizer=optimizer,
-        strategy=config.strategy,
-        inverse_method=config.inverse_method,
-        comm_scheduler=config.comm_scheduler,
-        accumulation_steps=config.accumulation_steps,
-        weight_sharing=config.weight_sharing,
-        factor_options=FactorOptions(examples=config.factor_examples),
-        batchnorm=None if config.batchnorm == "off" else config.batchnorm,
-        batchnorm_damping_multiplier=config.batchnorm_damping_multiplier,
-    )
-    return lr, optimizer, precond
+    # The KL clip reads each layer's learning rate from the optimizer: the trainer sets
+    # the schedule's lr(step) on it before every step, so the clip sees that rate.
+    return lr, optimizer, KFACPreconditioner(model, config=kfac, optimizer=optimizer)

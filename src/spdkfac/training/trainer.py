@@ -44,7 +44,7 @@ from spdkfac.training.metrics import (
     write_metrics_csv,
     write_outputs,
 )
-from spdkfac.training.persistence import restore_checkpoint, save_checkpoint
+from spdkfac.training.persistence import CheckpointPayload, restore_checkpoint, save_checkpoint
 from spdkfac.training.progress import ProgressBar
 from spdkfac.training.replicas import replicas_identical, state_tensors
 from spdkfac.training.rescaling import rescale_weights_
@@ -95,10 +95,8 @@ class _Run:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
-        save_checkpoint(
-            self.checkpoints,
-            self.comm,
-            self.config,
+        payload = CheckpointPayload(
+            config=self.config,
             step=self.step,
             train_seconds=self.clock.seconds,
             metrics=[m.row() for m in self.metrics],
@@ -111,6 +109,7 @@ class _Run:
                 "eval_seconds": self.eval_seconds,
             },
         )
+        save_checkpoint(self.checkpoints, self.comm, payload)
         self.saved_step = self.step
 
     def restore(self) -> None:
@@ -210,7 +209,7 @@ def _loop(run: _Run) -> TrainSummary:
         config, steps_per_epoch=run.steps_per_epoch, total_steps=total_steps
     )
     run.log(
-        f"{config.optimizer}{'/' + config.strategy if config.uses_kfac else ''} "
+        f"{config.optimizer}{'/' + config.kfac.strategy if config.uses_kfac else ''} "
         f"{config.model} on {config.dataset}: {comm.world_size} worker(s) x batch "
         f"{config.batch_size}, {run.steps_per_epoch} steps/epoch, {total_steps} steps"
     )

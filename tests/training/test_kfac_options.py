@@ -1,0 +1,179 @@
+"""``TrainConfig.kfac``: the library's K-FAC options nested in the training configuration,
+one set of defaults for both, and the flat form files and checkpoints have always held."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from spdkfac.cli.main import build_parser
+from spdkfac.cli.train import _config_from_args
+from spdkfac.config import KFACConfig
+from spdkfac.layers import FactorOptions
+from spdkfac.schedules import damping_warmup, stale_interval
+from spdkfac.training.config import KFACSchedules, TrainConfig, load_config_file
+
+__all__: list[str] = []
+
+REPORTS = Path(__file__).resolve().parents[2] / "benchmarks" / "reports"
+
+#: The flat form's keys (flags, config files, checkpoints), as before the nesting.
+FLAT_KEYS = {
+    "model", "dataset", "data", "image_size", "seq_len", "gpt_layers", "gpt_heads", "gpt_dim",
+    "gpt_dropout", "train_limit", "val_split", "epochs", "max_steps", "eval_every",
+    "evals_per_epoch", "batch_size", "accumulation_steps", "optimizer", "lr", "momentum",
+    "nesterov", "weight_decay", "lr_schedule", "warmup_epochs", "warmup_steps", "milestones",
+    "lr_gamma", "poly_power", "poly_start_epoch", "poly_end_epoch", "lr_schedule_steps",
+    "strategy", "inverse_method", "comm_scheduler", "damping", "damping_initial",
+    "damping_warmup_steps", "kl_clip", "factor_decay", "factor_update_steps",
+    "inv_update_steps", "stale_switch_step", "stale_factor_update_steps",
+    "stale_inv_update_steps", "stale_growth_steps", "weight_sharing", "factor_examples",
+    "batchnorm", "batchnorm_damping_multiplier", "weight_rescaling", "mixup_alpha",
+    "random_erasing", "label_smoothing", "augment", "seed", "threads", "flush_denormal",
+    "collective_timeout", "out_dir", "checkpoint_every", "resume", "target_accuracy",
+    "tensorboard", "config",
+}  # fmt: skip
+
+#: ``benchmarks/reports/gpt_text_2workers/runs/adamw+spd-kfac-0/config.toml`` as written
+#: then (flat, without the options added since: inverse_method, comm_scheduler, ...).
+OLD_CONFIG_TOML = """\
+model = "gpt"
+dataset = "text"
+image_size = 32
+seq_len = 128
+gpt_layers = 2
+gpt_heads = 4
+gpt_dim = 128
+gpt_dropout = 0.0
+epochs = 10
+max_steps = 300
+eval_every = 25
+batch_size = 16
+accumulation_steps = 1
+optimizer = "kfac-adamw"
+lr = 0.003
+momentum = 0.9
+nesterov = false
+weight_decay = 0.0005
+lr_schedule = "constant"
+warmup_epochs = 0.0
+milestones = []
+lr_gamma = 0.1
+poly_power = 2.0
+poly_start_epoch = 0.0
+strategy = "spd-kfac"
+damping = 0.01
+damping_warmup_steps = 0
+kl_clip = 0.001
+factor_decay = 0.95
+factor_update_steps = 5
+inv_update_steps = 50
+stale_factor_update_steps = 10
+stale_inv_update_steps = 100
+stale_growth_steps = 0
+batchnorm = "off"
+batchnorm_damping_multiplier = 1.0
+weight_rescaling = false
+mixup_alpha = 0.0
+random_erasing = 0.0
+label_smoothing = 0.0
+augment = true
+seed = 0
+threads = 1
+collective_timeout = 600.0
+out_dir = "benchmarks/reports/gpt_text_2workers/runs/adamw+spd-kfac-0"
+checkpoint_every = 0
+resume = false
+target_accuracy = 0.92
+tensorboard = false
+"""
+
+
+def test_the_library_and_every_verb_share_one_set_of_kfac_defaults() -> None:
+    assert TrainConfig().kfac == KFACConfig()
+    assert _config_from_args(build_parser().parse_args(["train"])).kfac == KFACConfig()
+    assert (KFACConfig().damping, KFACConfig().inv_update_steps) == (0.1, 10)
+    parser = build_parser()
+    demo = parser.parse_args(["demo"])
+    bench = parser.parse_args(["bench"])
+    defaults = KFACConfig()
+    for option in ("damping", "kl_clip", "factor_update_steps", "inv_update_steps"):
+        assert getattr(demo, option) == getattr(defaults, option), option
+    assert bench.damping == defaults.damping
+    # The benchmark times every phase at every iteration: its refresh intervals are 1.
+    assert (bench.factor_update_steps, bench.inv_update_steps) == (1, 1)
+
+
+def test_the_flat_form_keeps_its_keys_and_round_trips() -> None:
+    config = TrainConfig(
+        model="mlp",
+        kfac=KFACConfig(
+            damping=0.3, batchnorm="unit-wise", factor_options=FactorOptions(examples=8)
+        ),
+        kfac_schedules=KFACSchedules(damping_initial=1.0, damping_warmup_steps=5),
+    )
+    flat = config.to_dict()
+    assert set(flat) == FLAT_KEYS
+    assert (flat["damping"], flat["batchnorm"], flat["factor_examples"]) == (0.3, "unit-wise", 8)
+    assert flat["damping_initial"] == 1.0 and TrainConfig().to_dict()["batchnorm"] == "off"
+    assert TrainConfig.from_dict(flat) == config
+    with pytest.raises(ValueError, match=r"unknown training option.*kfac"):
+        TrainConfig.from_dict({"kfac": {"damping": 0.3}})
+
+
+def test_a_config_file_written_before_the_nesting_reads_as_it_did(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(OLD_CONFIG_TOML)
+    values = load_config_file(path)
+    config = TrainConfig.from_dict(values)
+    kfac = config.kfac
+    assert (kfac.damping, kfac.factor_update_steps, kfac.inv_update_steps) == (0.01, 5, 50)
+    assert (kfac.strategy, kfac.batchnorm, kfac.kl_clip) == ("spd-kfac", None, 0.001)
+    # Options the file predates take their defaults.
+    assert (kfac.inverse_method, kfac.comm_scheduler, kfac.weight_sharing) == (
+        "cholesky", "fifo", "expand",
+    )  # fmt: skip
+    assert config.flush_denormal and config.val_split == 0.0
+    assert {key: config.to_dict()[key] for key in values} == values
+
+
+def test_every_recorded_run_config_still_loads() -> None:
+    paths = sorted(REPORTS.glob("**/runs/*/config.toml"))
+    if not paths:
+        pytest.skip(f"no recorded run configurations under {REPORTS}")
+    for path in paths:
+        values = load_config_file(path)
+        assert {key: TrainConfig.from_dict(values).to_dict()[key] for key in values} == values
+
+
+def test_kfac_options_the_run_cannot_save_are_refused() -> None:
+    with pytest.raises(ValueError, match="no option for kfac's inverse_dtype"):
+        TrainConfig(kfac=KFACConfig(inverse_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="factor_options"):
+        TrainConfig(kfac=KFACConfig(factor_options=FactorOptions(method="reference")))
+    with pytest.raises(ValueError, match=r"damping must be numbers.*kfac_schedules"):
+        TrainConfig(kfac=KFACConfig(damping=lambda step: 0.1))
+    with pytest.raises(ValueError, match="kfac must be a KFACConfig"):
+        TrainConfig(kfac={"damping": 0.1})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stale_inv_update_steps"):
+        KFACSchedules(stale_inv_update_steps=0)
+    with pytest.raises(ValueError, match="damping"):
+        TrainConfig.from_dict({"damping": 0})
+
+
+def test_the_schedules_turn_the_nested_options_into_functions_of_the_step() -> None:
+    kfac = KFACConfig(damping=0.1, factor_update_steps=2, inv_update_steps=10)
+    assert KFACSchedules().applied_to(kfac) == kfac
+    schedules = KFACSchedules(damping_initial=1.0, damping_warmup_steps=10, stale_switch_step=20,
+                              stale_factor_update_steps=8, stale_inv_update_steps=40,
+                              stale_growth_steps=10)  # fmt: skip
+    applied = schedules.applied_to(kfac)
+    damping = damping_warmup(1.0, 0.1, 10)
+    factor = stale_interval(2, 8, 20, growth_steps=10)
+    inverse = stale_interval(10, 40, 20, growth_steps=10)
+    for step in (0, 5, 10, 19, 20, 30, 45, 100):
+        assert applied.damping_at(step) == damping(step)
+        assert applied.intervals_at(step) == (factor(step), inverse(step))
+    assert (applied.kl_clip, applied.strategy) == (kfac.kl_clip, kfac.strategy)
