@@ -95,7 +95,7 @@ VARIANTS: dict[str, FactorOptions] = {
     "bf16": FactorOptions(compute_dtype=torch.bfloat16),
     "fp16": FactorOptions(compute_dtype=torch.float16),
 }
-DAMPING = 0.003  # the preconditioner's default γ, for the error of (F + γI)⁻¹
+DAMPING = 0.003  # γ for the error of (F + γI)⁻¹ (the library default when it was measured)
 
 
 def _sync(device: torch.device) -> None:

@@ -99,8 +99,10 @@ def test_the_library_and_every_verb_share_one_set_of_kfac_defaults() -> None:
     demo = parser.parse_args(["demo"])
     bench = parser.parse_args(["bench"])
     defaults = KFACConfig()
-    for option in ("damping", "kl_clip", "factor_update_steps", "inv_update_steps"):
-        assert getattr(demo, option) == getattr(defaults, option), option
+    # The demo runs its own measured recipe (flags, as a user would pass them).
+    recipe = (demo.damping, demo.kl_clip, demo.factor_update_steps, demo.inv_update_steps)
+    assert recipe == (0.3, 1e-3, 10, 10)
+    assert demo.strategy == defaults.strategy
     assert bench.damping == defaults.damping
     # The benchmark times every phase at every iteration: its refresh intervals are 1.
     assert (bench.factor_update_steps, bench.inv_update_steps) == (1, 1)
