@@ -28,8 +28,9 @@ to damped inverses by Cholesky (the default cost model, and ``spdkfac calibrate`
 AMD EPYC (torch 2.13, one thread; ``benchmarks/measure_sim_form_costs.py``, report in
 ``benchmarks/reports/form_costs_cpu.md``):
 over d = 384…2048 a clamped ``eigh`` plus the reconstruction ``Q diag(1/(λ+γ)) Qᵀ`` took
-4.5-5.5x a Cholesky inverse, the ``eigh`` of the eigen-basis alone 4.2-4.7x; below
-d ≈ 128, where the per-call floor dominates, both are nearer 2.5-3x. They are CPU
+4.2-5.7x a Cholesky inverse, the ``eigh`` of the eigen-basis alone 3.4-4.8x (two runs;
+the scales are their middles); below d ≈ 128, where the per-call floor dominates, both
+are nearer 2.5-3.6x. They are CPU
 figures, not measured on a GPU (the simulator's GPU presets use them as they are). A cost
 model calibrated with ``--method eigen`` already prices an eigendecomposition, so these
 scales over-price it.
