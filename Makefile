@@ -28,8 +28,8 @@ demo: $(STAMP) data
 		-m spdkfac demo $(DEMO_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff format --check src tests benchmarks scripts
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
