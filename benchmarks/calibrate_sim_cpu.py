@@ -44,7 +44,8 @@ PRIMITIVE_DIMS = (8, 32, 96, 192, 384, 768, 1536)
 SGD_TENSORS = 8
 
 
-def _net(channels: int) -> nn.Module:
+def probe_net(channels: int) -> nn.Module:
+    """A small conv net whose ops span the roofline (also ``gpu_check_measure``'s)."""
     return nn.Sequential(
         nn.Conv2d(channels, channels, 3, padding=1, bias=False),
         nn.BatchNorm2d(channels),
@@ -64,7 +65,11 @@ def _ops(repeats: int) -> list[Op]:
     for channels, size in SHAPES:
         torch.manual_seed(0)
         workload = trace_workload(
-            _net(channels), (channels, size, size), batch_size=32, device="cpu", repeats=repeats
+            probe_net(channels),
+            (channels, size, size),
+            batch_size=32,
+            device="cpu",
+            repeats=repeats,
         )
         ops += workload.ops()
     return ops

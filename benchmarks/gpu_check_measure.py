@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from calibrate_sim_cpu import probe_net
 from spdkfac import KFACPreconditioner
 from spdkfac.calibrate import CalibrationPlan, FactorWorkload, calibrate
 from spdkfac.calibrate.timing import median_seconds, synchronize
@@ -248,27 +249,13 @@ def training_steps(sizes: Sizes, device: torch.device) -> list[dict[str, Any]]:
     return results
 
 
-def _sim_net(channels: int) -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(channels, channels, 3, padding=1, bias=False),
-        nn.BatchNorm2d(channels),
-        nn.ReLU(inplace=True),
-        nn.Conv2d(channels, 2 * channels, 1, stride=2, bias=False),
-        nn.BatchNorm2d(2 * channels),
-        nn.ReLU(inplace=True),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(2 * channels, 10),
-    )
-
-
 def sim_device_model(sizes: Sizes, device: torch.device) -> dict[str, Any]:
     """The simulator's ``DeviceModel`` fitted to timed ops of small conv nets on the device
     (``spdkfac.sim.fit_device_model``, as ``benchmarks/calibrate_sim_cpu.py`` on the CPU)."""
     ops = []
     for channels, side in sizes.sim_shapes:
         torch.manual_seed(0)
-        workload = trace_workload(_sim_net(channels), (channels, side, side),
+        workload = trace_workload(probe_net(channels), (channels, side, side),
                                   batch_size=sizes.sim_batch, device=device,
                                   repeats=sizes.repeats)  # fmt: skip
         ops += workload.ops()
