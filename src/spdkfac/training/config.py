@@ -67,7 +67,7 @@ LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
 WEIGHT_SHARINGS: tuple[str, ...] = get_args(WeightSharing)
 #: Fields a resumed run may change; any other difference refuses the checkpoint.
 RESUMABLE_CHANGES: frozenset[str] = frozenset(
-    {"epochs", "max_steps", "out_dir", "resume", "checkpoint_every", "threads",
+    {"epochs", "max_steps", "out_dir", "resume", "overwrite", "checkpoint_every", "threads",
      "flush_denormal", "tensorboard", "target_accuracy", "data", "config", "collective_timeout",
      "eval_every", "evals_per_epoch", "comm_scheduler"}
 )  # fmt: skip
@@ -145,6 +145,7 @@ class TrainConfig:
     out_dir: str = "runs/train"
     checkpoint_every: int = 0
     resume: bool = False
+    overwrite: bool = False
     target_accuracy: float = 0.92
     tensorboard: bool = True
     config: str | None = field(default=None, compare=False)
@@ -188,6 +189,10 @@ class TrainConfig:
             raise ValueError(
                 f"give warmup_epochs ({self.warmup_epochs}) or warmup_steps "
                 f"({self.warmup_steps}), not both"
+            )
+        if self.resume and self.overwrite:
+            raise ValueError(
+                "give resume (continue the run in out_dir) or overwrite (delete it), not both"
             )
         if self.eval_every is not None and self.evals_per_epoch is not None:
             raise ValueError(
