@@ -216,9 +216,10 @@ def run(args: argparse.Namespace) -> int:
     """Validate the options (exit 2 on bad ones, before any process group) and train."""
     config = _config_from_args(args)
     from spdkfac.data.text import TextCorpusError
+    from spdkfac.support.paths import output_dir_problem
     from spdkfac.training.checkpoint import CheckpointError
     from spdkfac.training.optimizers import require_base
-    from spdkfac.training.outdir import OutDirError, out_dir_problem
+    from spdkfac.training.outdir import OutDirError
     from spdkfac.training.setup import build_schedules
     from spdkfac.training.trainer import train
 
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         if config.warmup_steps is not None and config.lr_schedule_steps is None:
             steps_per_epoch = config.warmup_steps + 1
         build_schedules(config, steps_per_epoch=steps_per_epoch)
-        problem = out_dir_problem(config.out_dir)
+        problem = output_dir_problem(config.out_dir)
         if problem is not None:
             raise ValueError(f"--out-dir: {problem}")
         require_base(config.base_optimizer)  # so does a missing optimizer package

@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 
 from spdkfac.comm import Communicator
+from spdkfac.support.paths import output_dir_problem
 
 __all__ = [
     "RUN_FILES",
     "OutDirError",
     "claim_out_dir",
     "clear_previous_run",
-    "out_dir_problem",
     "previous_run_files",
 ]
 
@@ -42,27 +42,6 @@ _TRASH_PREFIX = ".spdkfac-overwritten-"
 
 class OutDirError(ValueError):
     """An output directory that cannot take this run (not a directory, or another run's)."""
-
-
-def out_dir_problem(path: str | os.PathLike[str]) -> str | None:
-    """Why ``path`` cannot be (or be created as) a directory, or None.
-
-    Checks the path itself and its first existing ancestor: a regular file at either is a
-    problem, so is an ancestor this process may not write into.
-    """
-    directory = Path(path)
-    if directory.exists():
-        if not directory.is_dir():
-            return f"{directory} exists and is not a directory"
-        return None
-    ancestor = directory.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        return f"{ancestor} (in {directory}) is not a directory"
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"cannot create {directory}: {ancestor} is not writable"
-    return None
 
 
 def _holds_something(path: Path) -> bool:
@@ -94,7 +73,7 @@ def claim_out_dir(
             be created), or it holds another run and neither ``resume`` nor ``overwrite``
             is set (the message names both flags).
     """
-    problem = out_dir_problem(path)
+    problem = output_dir_problem(path)
     found = previous_run_files(path)
     local = [float(problem is not None)] + [float(name in found) for name in RUN_FILES]
     seen = comm.all_reduce_max(torch.tensor(local, device=comm.device)).wait().tolist()
