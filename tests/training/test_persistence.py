@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -118,6 +119,28 @@ def test_retention_without_a_usable_latest_deletes_nothing(tmp_path: Path) -> No
     (tmp_path / "latest").unlink()
     assert prune_checkpoints(tmp_path, keep=1) == []
     assert len(list(tmp_path.glob("step-*"))) == 2
+
+
+def test_numpy_and_tensor_options_are_stored_as_python_numbers(tmp_path: Path) -> None:
+    """A numpy or 0-d tensor option is a number (issue 39 item 8), stored as the Python
+    number it holds: config.toml and weights_only checkpoints take nothing else."""
+    config = TrainConfig(optimizer="sgd", lr=np.float32(0.05), epochs=np.int64(3),
+                         momentum=torch.tensor(0.5), milestones=(np.float64(1.0),))  # fmt: skip
+    assert (type(config.lr), type(config.epochs), type(config.momentum)) == (float, int, float)
+    assert config.milestones == (1.0,) and type(config.milestones[0]) is float
+    assert f"lr = {float(np.float32(0.05))!r}" in config.to_toml()
+    model, optimizer = _parts(0)
+    payload = CheckpointPayload(
+        config=config, step=1, train_seconds=0.0, metrics=[], module=model,
+        optimizer=optimizer, preconditioner=None, rank_state={},
+    )  # fmt: skip
+    save_checkpoint(tmp_path, LocalCommunicator(), payload)
+    fresh, fresh_optimizer = _parts(1)
+    restored = restore_checkpoint(
+        tmp_path, LocalCommunicator(), config, module=fresh, optimizer=fresh_optimizer,
+        preconditioner=None,
+    )  # fmt: skip
+    assert restored is not None and restored.step == 1
 
 
 def test_nothing_to_restore_and_incompatible_configs(tmp_path: Path) -> None:

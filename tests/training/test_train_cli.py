@@ -188,3 +188,16 @@ def test_an_out_dir_that_is_a_file_exits_2_in_one_line(tmp_path: Path) -> None:
         assert result.returncode == 2
         assert "Traceback" not in result.stderr
         assert result.stderr.strip().splitlines()[-1].endswith("is not a directory")
+
+
+def test_two_ranks_refuse_another_runs_out_dir_alike(
+    tiny_fashion_mnist: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")  # what another run left
+    result = _two_ranks("--data", str(tiny_fashion_mnist), "--model", "mlp", "--out-dir",
+                        str(out), "--no-tensorboard", "--max-steps", "1")  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"--out-dir {out} holds another run (summary.json)" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]

@@ -18,16 +18,17 @@ __all__ = [
     "check_int",
     "check_number",
     "check_skip_layers",
+    "plain_scalar",
 ]
 
 
-def _plain(value: object) -> object:
+def plain_scalar(value: object) -> object:
     """A scalar of an array library (a numpy scalar, a 0-d tensor or array) as the Python
     number it holds; anything else as it is (a bool stays a bool, so it is refused).
 
     Duck-typed (``ndim == 0`` and ``item()``), so numpy need not be imported.
     """
-    if isinstance(value, (bool, int, float)):
+    if type(value) in (bool, int, float):  # numpy.float64 is a float subclass: converted
         return value
     item = getattr(value, "item", None)
     if getattr(value, "ndim", None) == 0 and callable(item):
@@ -60,7 +61,7 @@ def check_number(
             tensor or array with elements is not one), a non-finite number or one outside
             the bounds.
     """
-    plain = _plain(value)
+    plain = plain_scalar(value)
     if isinstance(plain, bool) or not isinstance(plain, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     number = float(plain)
@@ -81,7 +82,7 @@ def check_int(name: str, value: object, *, low: int = 1) -> int:
     Raises:
         ValueError: ``"<name> must be an int >= <low>, got <value>"``.
     """
-    plain = _plain(value)
+    plain = plain_scalar(value)
     if isinstance(plain, bool) or not isinstance(plain, int) or plain < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return int(plain)

@@ -9,13 +9,13 @@ library's options and defaults, defined once) and Osawa et al.'s schedules over 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args
 
 from spdkfac.config import KFACConfig
 from spdkfac.models import BUILTIN_MODEL_NAMES, TORCHVISION_PREFIX, ModelKind, model_kind
-from spdkfac.support.checks import check_choice, check_int, check_number
+from spdkfac.support.checks import check_choice, check_int, check_number, plain_scalar
 from spdkfac.support.optional import (
     OptionalPackageError,
     install_hint,
@@ -151,6 +151,7 @@ class TrainConfig:
     config: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        self._plain_numbers()
         check_model_name(self.model)
         check_choice("dataset", self.dataset, DATASETS)
         check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
@@ -200,6 +201,18 @@ class TrainConfig:
                 f"({self.evals_per_epoch}), not both"
             )
         self._check_kinds()
+
+    def _plain_numbers(self) -> None:
+        """Store numpy scalars and 0-d tensors as the Python numbers they hold (TOML and
+        ``weights_only`` checkpoints take only those)."""
+        for option in fields(self):
+            value = getattr(self, option.name)
+            if isinstance(value, tuple):
+                plain: object = tuple(plain_scalar(v) for v in value)
+            else:
+                plain = plain_scalar(value)
+            if plain is not value:
+                object.__setattr__(self, option.name, plain)
 
     def _check_kinds(self) -> None:
         reads, holds = model_kind(self.model), DATASET_KINDS[self.dataset]
