@@ -48,6 +48,7 @@ def _run(name: str, flags: str, args: argparse.Namespace, repeat: int) -> dict[s
         torchrun, "--standalone", "--nproc-per-node", "2", "-m", "spdkfac", "train",
         *shlex.split(COMMON), *shlex.split(flags), "--max-steps", str(args.steps),
         "--eval-every", str(args.eval_every), "--seed", str(repeat), "--out-dir", str(run_dir),
+        "--overwrite",  # a rerun of the benchmark replaces its runs
     ]  # fmt: skip
     print("$", shlex.join(command), flush=True)
     started = time.perf_counter()

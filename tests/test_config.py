@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -33,6 +34,12 @@ def _model() -> nn.Module:
         ("kl_clip", 0.0),
         ("kl_clip", float("nan")),
         ("lr", -1.0),
+        ("lr", np.float32("nan")),
+        ("lr", torch.tensor(float("inf"))),
+        ("lr", torch.tensor([0.1])),
+        ("damping", np.bool_(True)),
+        ("damping", torch.tensor(True)),
+        ("inv_update_steps", np.float32(2.0)),
         ("inverse_method", "lu"),
     ],
 )
@@ -45,6 +52,44 @@ def test_invalid_option_names_option_and_value(option: str, value: object) -> No
 def test_valid_options_are_accepted() -> None:
     config = KFACConfig(damping=lambda s: 0.1, factor_decay=1.0, kl_clip=None, lr=0.0)
     assert config.damping_at(3) == 0.1 and config.lr_at(0) == 0.0
+
+
+_ARRAY_SCALARS = {
+    "lr": np.float32(0.05),
+    "damping": torch.tensor(0.1),
+    "kl_clip": np.float64(0.01),
+    "factor_decay": np.array(0.9),
+    "factor_update_steps": np.int64(1),
+    "inv_update_steps": torch.tensor(2),
+    "bucket_cap_mb": np.float32(1.0),
+    "accumulation_steps": np.int32(1),
+    "batchnorm_damping_multiplier": torch.tensor(2.0, dtype=torch.float64),
+}
+
+
+def _preconditioned_gradients(**options: object) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    precond = KFACPreconditioner(model, **options)  # type: ignore[arg-type]
+    for _ in range(3):
+        model.zero_grad()
+        model(torch.randn(8, 3)).square().sum().backward()
+        assert precond.step()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_numpy_and_0d_tensor_scalars_are_numbers() -> None:
+    """A numpy scalar or a 0-d tensor is a number: stored as a Python float (int), and the
+    preconditioner computes exactly what the same values as Python numbers give."""
+    config = KFACConfig(**_ARRAY_SCALARS)  # type: ignore[arg-type]
+    for name, value in _ARRAY_SCALARS.items():
+        stored = getattr(config, name)
+        assert type(stored) is type(value.item()) and stored == value.item(), name
+    plain = {name: value.item() for name, value in _ARRAY_SCALARS.items()}
+    assert config == KFACConfig(**plain)
+    ours = _preconditioned_gradients(**_ARRAY_SCALARS)
+    theirs = _preconditioned_gradients(**plain)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
 def test_model_without_supported_layer() -> None:

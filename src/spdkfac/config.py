@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from typing import Any, get_args
 
 import torch
@@ -165,18 +166,21 @@ class KFACConfig:
     batchnorm_damping_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
+        # Checked values are stored as the plain Python numbers the checks return (a numpy
+        # scalar or a 0-d tensor is a number to a user, but not to TOML or weights_only).
+        plain = partial(object.__setattr__, self)
         if not callable(self.damping):
-            check_number("damping", self.damping)
+            plain("damping", check_number("damping", self.damping))
         if self.lr is not None and not callable(self.lr):
-            check_number("lr", self.lr, low_inclusive=True)
+            plain("lr", check_number("lr", self.lr, low_inclusive=True))
         if not callable(self.factor_decay):
-            check_number("factor_decay", self.factor_decay, high=1.0)
+            plain("factor_decay", check_number("factor_decay", self.factor_decay, high=1.0))
         for name in ("factor_update_steps", "inv_update_steps"):
             value = getattr(self, name)
             if not callable(value):
-                check_int(name, value)
+                plain(name, check_int(name, value))
         if self.kl_clip is not None and not callable(self.kl_clip):
-            check_number("kl_clip", self.kl_clip)
+            plain("kl_clip", check_number("kl_clip", self.kl_clip))
         check_choice("inverse_method", self.inverse_method, FORM_METHODS)
         check_choice("inverse_dtype", self.inverse_dtype, _DTYPES)
         check_choice("factor_dtype", self.factor_dtype, _DTYPES)
@@ -185,16 +189,19 @@ class KFACConfig:
         object.__setattr__(
             self, "auto_candidates", check_candidates(self.auto_candidates, STRATEGIES)
         )
-        check_int("auto_trial_steps", self.auto_trial_steps)
-        check_int("auto_rounds", self.auto_rounds)
+        plain("auto_trial_steps", check_int("auto_trial_steps", self.auto_trial_steps))
+        plain("auto_rounds", check_int("auto_rounds", self.auto_rounds))
         if not isinstance(self.factor_options, FactorOptions):
             raise ValueError(f"factor_options must be a FactorOptions, got {self.factor_options!r}")
         if self.factor_exchange is not None:
             check_choice("factor_exchange", self.factor_exchange, get_args(FactorExchangeName))
-        check_number("bucket_cap_mb", self.bucket_cap_mb)
-        check_int("fusion_warmup_steps", self.fusion_warmup_steps)
-        check_int("accumulation_steps", self.accumulation_steps)
-        check_int("max_inverse_failures", self.max_inverse_failures, low=0)
+        plain("bucket_cap_mb", check_number("bucket_cap_mb", self.bucket_cap_mb))
+        for name in ("fusion_warmup_steps", "accumulation_steps"):
+            plain(name, check_int(name, getattr(self, name)))
+        plain(
+            "max_inverse_failures",
+            check_int("max_inverse_failures", self.max_inverse_failures, low=0),
+        )
         check_choice("factor_comm_dtype", self.factor_comm_dtype, _DTYPES)
         check_choice("comm_scheduler", self.comm_scheduler, get_args(CommSchedulerName))
         if self.placement is not None:
@@ -211,7 +218,8 @@ class KFACConfig:
                 f"normalization={self.normalization!r} and batchnorm={self.batchnorm!r} "
                 "disagree: set one of them"
             )
-        check_number("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
+        multiplier = check_number("batchnorm_damping_multiplier", self.batchnorm_damping_multiplier)
+        plain("batchnorm_damping_multiplier", multiplier)
 
     @property
     def selection(self) -> Strategy | AutoStrategy:

@@ -81,6 +81,24 @@ def test_link_without_root_says_so_and_exits_2(
     assert "needs root" in capsys.readouterr().err
 
 
+def test_an_out_dir_that_is_a_file_exits_2_before_any_rank_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39 item 7: the benchmark ran to its end, then raised FileExistsError."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    launched: list[object] = []
+    monkeypatch.setattr(bench_cli, "launch_ranks", lambda *a, **k: launched.append(a) or 0)
+    monkeypatch.setattr(bench_cli, "run_worker", lambda *a, **k: launched.append(a) or 0)
+    file = tmp_path / "file"
+    file.write_text("x")
+    for out in (file, file / "run"):
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "--out-dir", str(out)])
+        assert info.value.code == 2
+        assert capsys.readouterr().err.strip().endswith("is not a directory")
+    assert launched == []
+
+
 def test_missing_cost_model_file_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -53,6 +53,11 @@ def test_missing_data_directory_names_the_path(
     assert main(["demo", "--data", str(missing)]) == 1
     err = capsys.readouterr().err
     assert str(missing) in err and "dataset-fashion-mnist" in err
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert main(["demo", "--data", str(file)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"directory {file} is not a directory" in lines[0]
 
 
 @pytest.mark.parametrize(

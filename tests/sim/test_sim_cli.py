@@ -93,6 +93,27 @@ def test_missing_cost_model_file(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert "none.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--trace", "--out"])
+@pytest.mark.parametrize("where", ["directory", "top-level directory", "under a file", "missing"])
+def test_output_paths_that_cannot_be_written_exit_2_in_one_line(
+    flag: str, where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39 item 7: a directory as --trace or --out was a traceback (IsADirectoryError),
+    and a top-level one had the trace's temporary file written into its parent."""
+    file = tmp_path / "file"
+    file.write_text("x")
+    paths = {"directory": tmp_path, "top-level directory": Path(tmp_path.anchor),
+             "under a file": file / "x.json", "missing": tmp_path / "none" / "x.json"}  # fmt: skip
+    path = paths[where]
+    code = main(["simulate", "--model", "mlp", "--workers", "2", "--preset", "cpu",
+                 "--strategies", "d-kfac", flag, str(path)])  # fmt: skip
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"spdkfac simulate: error: {flag} {path}: ")
+    if path.parent.is_dir():  # no temporary file left beside it
+        assert not list(path.parent.glob(f".{path.name}.*.tmp"))
+
+
 def test_module_entry_point() -> None:
     result = run_command(
         [sys.executable, "-m", "spdkfac", "simulate", "--model", "mlp", "--workers", "2",

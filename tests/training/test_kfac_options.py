@@ -32,7 +32,7 @@ FLAT_KEYS = {
     "stale_inv_update_steps", "stale_growth_steps", "weight_sharing", "factor_examples",
     "batchnorm", "batchnorm_damping_multiplier", "weight_rescaling", "mixup_alpha",
     "random_erasing", "label_smoothing", "augment", "seed", "threads", "flush_denormal",
-    "collective_timeout", "out_dir", "checkpoint_every", "resume", "target_accuracy",
+    "collective_timeout", "out_dir", "checkpoint_every", "resume", "overwrite", "target_accuracy",
     "tensorboard", "config",
 }  # fmt: skip
 

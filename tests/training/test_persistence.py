@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from spdkfac.training.config import TrainConfig
 from spdkfac.training.persistence import (
     KEEP_CHECKPOINTS,
     CheckpointPayload,
+    prune_checkpoints,
     restore_checkpoint,
     save_checkpoint,
 )
@@ -83,6 +85,62 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
     kept = sorted(p.name for p in tmp_path.glob("step-*"))
     assert kept == [f"step-{s:08d}" for s in range(5 - KEEP_CHECKPOINTS, 5)]
     assert latest_checkpoint(tmp_path) == step_directory(tmp_path, 4)
+
+
+def test_retention_never_deletes_what_latest_names(tmp_path: Path) -> None:
+    """Issue 39 item 5: a run whose step names sort below older ones (a second run from
+    step 0 in the same directory) kept the two highest names and deleted its own."""
+    model, optimizer = _parts(0)
+    for step in (2, 4, 6):
+        _save(tmp_path, step, model, optimizer)
+    _save(tmp_path, 2, model, optimizer)  # latest -> step-00000002, below 4 and 6
+    assert latest_checkpoint(tmp_path) == step_directory(tmp_path, 2)
+    assert (step_directory(tmp_path, 2) / "common.pt").is_file()
+    # Newer directories than latest are left alone; older ones beyond the kept one go.
+    _save(tmp_path, 1, model, optimizer)
+    assert latest_checkpoint(tmp_path) == step_directory(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [
+        f"step-{s:08d}" for s in (1, 2, 4, 6)
+    ]
+    older = [step_directory(tmp_path, s) for s in (3, 5)]
+    for directory in older:
+        atomic_torch_save(directory / "common.pt", {"format": 1})
+    publish_latest(tmp_path, 5)
+    assert prune_checkpoints(tmp_path, keep=2) == [step_directory(tmp_path, s) for s in (1, 2, 3)]
+    assert latest_checkpoint(tmp_path) == step_directory(tmp_path, 5)
+
+
+def test_retention_without_a_usable_latest_deletes_nothing(tmp_path: Path) -> None:
+    model, optimizer = _parts(0)
+    for step in (1, 2, 3):
+        _save(tmp_path, step, model, optimizer)
+    (tmp_path / "latest").write_text("garbage\n")
+    assert prune_checkpoints(tmp_path, keep=1) == []
+    (tmp_path / "latest").unlink()
+    assert prune_checkpoints(tmp_path, keep=1) == []
+    assert len(list(tmp_path.glob("step-*"))) == 2
+
+
+def test_numpy_and_tensor_options_are_stored_as_python_numbers(tmp_path: Path) -> None:
+    """A numpy or 0-d tensor option is a number (issue 39 item 8), stored as the Python
+    number it holds: config.toml and weights_only checkpoints take nothing else."""
+    config = TrainConfig(optimizer="sgd", lr=np.float32(0.05), epochs=np.int64(3),
+                         momentum=torch.tensor(0.5), milestones=(np.float64(1.0),))  # fmt: skip
+    assert (type(config.lr), type(config.epochs), type(config.momentum)) == (float, int, float)
+    assert config.milestones == (1.0,) and type(config.milestones[0]) is float
+    assert f"lr = {float(np.float32(0.05))!r}" in config.to_toml()
+    model, optimizer = _parts(0)
+    payload = CheckpointPayload(
+        config=config, step=1, train_seconds=0.0, metrics=[], module=model,
+        optimizer=optimizer, preconditioner=None, rank_state={},
+    )  # fmt: skip
+    save_checkpoint(tmp_path, LocalCommunicator(), payload)
+    fresh, fresh_optimizer = _parts(1)
+    restored = restore_checkpoint(
+        tmp_path, LocalCommunicator(), config, module=fresh, optimizer=fresh_optimizer,
+        preconditioner=None,
+    )  # fmt: skip
+    assert restored is not None and restored.step == 1
 
 
 def test_nothing_to_restore_and_incompatible_configs(tmp_path: Path) -> None:

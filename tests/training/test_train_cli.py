@@ -146,3 +146,58 @@ def test_train_cli_checkpoints_and_resumes_with_osawa(
     state = torch.load(out / "checkpoints" / name / "common.pt", weights_only=False)
     layers = state["preconditioner"]["layers"]
     assert layers and all(entry["a_factor"] is not None for entry in layers.values())
+
+
+@pytest.mark.usefixtures("here")
+def test_a_fresh_run_never_mixes_with_or_deletes_another_run(
+    tiny_fashion_mnist: Path, tmp_path: Path
+) -> None:
+    """Issue 39 item 5: run 2 (no --resume) in run 1's --out-dir deleted its own checkpoint
+    (latest dangled) and overwrote run 1's records. Now it is refused, run 1 stays
+    resumable, and --overwrite replaces run 1 with a run of its own."""
+    out = tmp_path / "out"
+    common = ["--data", str(tiny_fashion_mnist), "--model", "mlp", "--epochs", "1",
+              "--batch-size", "16", "--out-dir", str(out), "--no-tensorboard", "--threads", "1",
+              "--checkpoint-every", "2"]  # fmt: skip
+    assert _spdkfac(*common, "--max-steps", "6").returncode == 0
+    before = {name: (out / name).read_bytes() for name in ("metrics.csv", "config.toml")}
+    second = _spdkfac(*common, "--max-steps", "2")
+    assert second.returncode == 1
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--resume" in lines[0] and "--overwrite" in lines[0], lines
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000006"
+    both = _spdkfac(*common, "--max-steps", "2", "--resume", "--overwrite")
+    assert both.returncode == 2 and "not both" in both.stderr
+    replaced = _spdkfac(*common, "--max-steps", "2", "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000002"]
+    assert _final_model(out)  # latest names a checkpoint that exists
+    assert (out / "metrics.csv").read_text().count("\n") == 2  # header + its own row
+    resumed = _spdkfac(*common, "--max-steps", "4", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+
+
+@pytest.mark.usefixtures("here")
+def test_an_out_dir_that_is_a_file_exits_2_in_one_line(tmp_path: Path) -> None:
+    file = tmp_path / "file"
+    file.write_text("x")
+    for out in (file, file / "run"):
+        result = _spdkfac("--out-dir", str(out), "--model", "mlp")
+        assert result.returncode == 2
+        assert "Traceback" not in result.stderr
+        assert result.stderr.strip().splitlines()[-1].endswith("is not a directory")
+
+
+def test_two_ranks_refuse_another_runs_out_dir_alike(
+    tiny_fashion_mnist: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")  # what another run left
+    result = _two_ranks("--data", str(tiny_fashion_mnist), "--model", "mlp", "--out-dir",
+                        str(out), "--no-tensorboard", "--max-steps", "1")  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"--out-dir {out} holds another run (summary.json)" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]

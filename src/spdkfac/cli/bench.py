@@ -21,6 +21,7 @@ from spdkfac.bench.variants import PRESETS, VARIANTS, parse_variants
 from spdkfac.cli.arguments import non_negative_int, positive_float, positive_int
 from spdkfac.config import KFACConfig
 from spdkfac.models import MODEL_NAMES, TEXT_MODELS
+from spdkfac.support.paths import output_dir_problem
 from spdkfac.training.progress import ProgressBar
 
 __all__ = ["add_parser", "run"]
@@ -181,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
         args.bench_parser.error(f"--iters ({args.iters}) must exceed --warmup ({args.warmup})")
     if args.cost_model is not None and not Path(args.cost_model).is_file():
         raise FileNotFoundError(f"--cost-model: no such file: {args.cost_model}")
+    problem = output_dir_problem(args.out_dir)
+    if problem is not None:  # before any rank runs, not once the benchmark is done
+        args.bench_parser.error(f"--out-dir: {problem}")
     if "WORLD_SIZE" in os.environ:
         label = args.link_label or f"as launched by torchrun ({os.environ['WORLD_SIZE']} ranks)"
         return run_worker(_options(args, label), _Progress())

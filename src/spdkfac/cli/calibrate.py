@@ -26,6 +26,7 @@ from spdkfac.cli.arguments import positive_float, positive_int
 from spdkfac.comm import destroy_distributed, init_distributed
 from spdkfac.linalg import INVERSE_METHODS
 from spdkfac.models import MODEL_NAMES, build_model
+from spdkfac.support.paths import output_file_problem
 
 __all__ = ["DEFAULT_DIMS", "DEFAULT_SIZES", "add_parser", "parse_size", "run"]
 
@@ -146,10 +147,9 @@ def _check_paths(args: argparse.Namespace) -> str | None:
         return None
     outputs = [args.out] + ([] if args.no_png else [args.png or args.out.with_suffix(".png")])
     for path in outputs:
-        if path.is_dir():
-            return f"{path} is a directory, expected a file name"
-        if not path.parent.is_dir():
-            return f"directory {path.parent} of {path} does not exist"
+        problem = output_file_problem(path)
+        if problem is not None:
+            return problem
     return None
 
 

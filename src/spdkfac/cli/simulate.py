@@ -40,6 +40,7 @@ from spdkfac.sim import (
 )
 from spdkfac.sim.paper import PAPER_TABLE_III
 from spdkfac.strategies import AUTO_CANDIDATES
+from spdkfac.support.paths import output_file_problem
 
 __all__ = ["add_parser", "run"]
 
@@ -285,7 +286,16 @@ def run(args: argparse.Namespace) -> int:
         return error.code
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse (exit 2) an output path that cannot be written, before simulating."""
+    for flag, path in (("--out", args.out), ("--trace", args.trace)):
+        problem = None if path is None else output_file_problem(path)
+        if problem is not None:
+            raise _VerbError(f"{flag} {path}: {problem}", 2)
+
+
 def _run(args: argparse.Namespace) -> int:
+    _check_outputs(args)
     hardware = _hardware(args)
     measured = profiled = None
     if args.measured is not None:

@@ -112,6 +112,9 @@ _HELP: dict[str, str] = {
     "out_dir": "where metrics, summary, TensorBoard logs and checkpoints go",
     "checkpoint_every": "checkpoint every N optimizer steps (0: only at the end)",
     "resume": "continue from the latest checkpoint in --out-dir",
+    "overwrite": "delete the previous run's files in --out-dir (checkpoints, metrics, summary, "
+    "config, TensorBoard logs) before starting; without it (or --resume) a fresh run in an "
+    "--out-dir holding another run is refused",
     "target_accuracy": "test accuracy whose time-to-reach (at the first evaluation reaching "
     "it) is reported (image datasets)",
     "tensorboard": "write TensorBoard logs when the tensorboard package is installed",
@@ -213,8 +216,10 @@ def run(args: argparse.Namespace) -> int:
     """Validate the options (exit 2 on bad ones, before any process group) and train."""
     config = _config_from_args(args)
     from spdkfac.data.text import TextCorpusError
+    from spdkfac.support.paths import output_dir_problem
     from spdkfac.training.checkpoint import CheckpointError
     from spdkfac.training.optimizers import require_base
+    from spdkfac.training.outdir import OutDirError
     from spdkfac.training.setup import build_schedules
     from spdkfac.training.trainer import train
 
@@ -227,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
         if config.warmup_steps is not None and config.lr_schedule_steps is None:
             steps_per_epoch = config.warmup_steps + 1
         build_schedules(config, steps_per_epoch=steps_per_epoch)
+        problem = output_dir_problem(config.out_dir)
+        if problem is not None:
+            raise ValueError(f"--out-dir: {problem}")
         require_base(config.base_optimizer)  # so does a missing optimizer package
         if config.model.lower().startswith(TORCHVISION_PREFIX):
             # A missing torchvision or model name exits 2 here, before loading any data.
@@ -235,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         args._parser.error(str(error))
     try:
         train(config)
-    except (CheckpointError, TextCorpusError) as error:
+    except (CheckpointError, OutDirError, TextCorpusError) as error:
         print(f"spdkfac train: error: {error}", file=sys.stderr)
         return 1
     return 0

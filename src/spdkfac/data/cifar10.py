@@ -84,7 +84,8 @@ def load_cifar10(
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
     directory = Path(root)
     if not directory.is_dir():
-        raise FileNotFoundError(f"CIFAR-10 directory {directory} does not exist; {_HOW_TO_GET}")
+        state = "is not a directory" if directory.exists() else "does not exist"
+        raise FileNotFoundError(f"CIFAR-10 directory {directory} {state}; {_HOW_TO_GET}")
     files, reader = _find_batches(directory, train)
     images: list[np.ndarray] = []
     labels: list[np.ndarray] = []

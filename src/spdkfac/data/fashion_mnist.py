@@ -70,9 +70,8 @@ def load_fashion_mnist(
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
     directory = DEFAULT_FASHION_MNIST_DIR if root is None else Path(root)
     if not directory.is_dir():
-        raise FileNotFoundError(
-            f"Fashion-MNIST directory {directory} does not exist; {_HOW_TO_GET}"
-        )
+        state = "is not a directory" if directory.exists() else "does not exist"
+        raise FileNotFoundError(f"Fashion-MNIST directory {directory} {state}; {_HOW_TO_GET}")
     prefix = "train" if train else "t10k"
     images_path = _find_file(directory, f"{prefix}-images-idx3-ubyte")
     labels_path = _find_file(directory, f"{prefix}-labels-idx1-ubyte")

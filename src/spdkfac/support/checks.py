@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, cast
@@ -17,7 +18,29 @@ __all__ = [
     "check_int",
     "check_number",
     "check_skip_layers",
+    "plain_scalar",
 ]
+
+
+def plain_scalar(value: object) -> object:
+    """A scalar of an array library (a numpy scalar, a 0-d tensor or array) as the Python
+    number it holds; anything else as it is (a bool stays a bool, so it is refused).
+
+    Duck-typed (``ndim == 0`` and ``item()``), so numpy need not be imported.
+    """
+    if type(value) in (bool, int, float):  # numpy.float64 is a float subclass: converted
+        return value
+    item = getattr(value, "item", None)
+    if getattr(value, "ndim", None) == 0 and callable(item):
+        try:
+            return item()
+        except (RuntimeError, TypeError, ValueError):  # e.g. a tensor on the meta device
+            return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def check_number(
@@ -29,15 +52,19 @@ def check_number(
     high: float | None = None,
     high_inclusive: bool = True,
 ) -> float:
-    """``value`` as a finite float within the bounds (default: ``> 0``).
+    """``value`` as a finite Python float within the bounds (default: ``> 0``).
+
+    A numpy scalar or a 0-d tensor is a number too (its value is returned as a float).
 
     Raises:
-        ValueError: ``"<name> must be ..., got <value>"`` for a bool, a non-number, a
-            non-finite number or one outside the bounds.
+        ValueError: ``"<name> must be ..., got <value>"`` for a bool, a non-number (a
+            tensor or array with elements is not one), a non-finite number or one outside
+            the bounds.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    plain = plain_scalar(value)
+    if isinstance(plain, bool) or not isinstance(plain, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    number = float(value)
+    number = float(plain)
     too_low = number < low or (number == low and not low_inclusive)
     too_high = high is not None and (number > high or (number == high and not high_inclusive))
     if not math.isfinite(number) or too_low or too_high:
@@ -49,14 +76,16 @@ def check_number(
 
 
 def check_int(name: str, value: object, *, low: int = 1) -> int:
-    """``value`` as an int ``>= low`` (bools refused).
+    """``value`` as a Python int ``>= low`` (bools refused; a numpy integer or an integer
+    0-d tensor is an int too).
 
     Raises:
         ValueError: ``"<name> must be an int >= <low>, got <value>"``.
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    plain = plain_scalar(value)
+    if isinstance(plain, bool) or not isinstance(plain, int) or plain < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
+    return int(plain)
 
 
 def check_choice(name: str, value: object, choices: Collection[object]) -> None:

@@ -9,13 +9,13 @@ library's options and defaults, defined once) and Osawa et al.'s schedules over 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args
 
 from spdkfac.config import KFACConfig
 from spdkfac.models import BUILTIN_MODEL_NAMES, TORCHVISION_PREFIX, ModelKind, model_kind
-from spdkfac.support.checks import check_choice, check_int, check_number
+from spdkfac.support.checks import check_choice, check_int, check_number, plain_scalar
 from spdkfac.support.optional import (
     OptionalPackageError,
     install_hint,
@@ -67,7 +67,7 @@ LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
 WEIGHT_SHARINGS: tuple[str, ...] = get_args(WeightSharing)
 #: Fields a resumed run may change; any other difference refuses the checkpoint.
 RESUMABLE_CHANGES: frozenset[str] = frozenset(
-    {"epochs", "max_steps", "out_dir", "resume", "checkpoint_every", "threads",
+    {"epochs", "max_steps", "out_dir", "resume", "overwrite", "checkpoint_every", "threads",
      "flush_denormal", "tensorboard", "target_accuracy", "data", "config", "collective_timeout",
      "eval_every", "evals_per_epoch", "comm_scheduler"}
 )  # fmt: skip
@@ -145,11 +145,13 @@ class TrainConfig:
     out_dir: str = "runs/train"
     checkpoint_every: int = 0
     resume: bool = False
+    overwrite: bool = False
     target_accuracy: float = 0.92
     tensorboard: bool = True
     config: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        self._plain_numbers()
         check_model_name(self.model)
         check_choice("dataset", self.dataset, DATASETS)
         check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
@@ -189,12 +191,28 @@ class TrainConfig:
                 f"give warmup_epochs ({self.warmup_epochs}) or warmup_steps "
                 f"({self.warmup_steps}), not both"
             )
+        if self.resume and self.overwrite:
+            raise ValueError(
+                "give resume (continue the run in out_dir) or overwrite (delete it), not both"
+            )
         if self.eval_every is not None and self.evals_per_epoch is not None:
             raise ValueError(
                 f"give eval_every ({self.eval_every}) or evals_per_epoch "
                 f"({self.evals_per_epoch}), not both"
             )
         self._check_kinds()
+
+    def _plain_numbers(self) -> None:
+        """Store numpy scalars and 0-d tensors as the Python numbers they hold (TOML and
+        ``weights_only`` checkpoints take only those)."""
+        for option in fields(self):
+            value = getattr(self, option.name)
+            if isinstance(value, tuple):
+                plain: object = tuple(plain_scalar(v) for v in value)
+            else:
+                plain = plain_scalar(value)
+            if plain is not value:
+                object.__setattr__(self, option.name, plain)
 
     def _check_kinds(self) -> None:
         reads, holds = model_kind(self.model), DATASET_KINDS[self.dataset]

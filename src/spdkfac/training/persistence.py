@@ -40,11 +40,13 @@ __all__ = [
     "KEEP_CHECKPOINTS",
     "CheckpointPayload",
     "Restored",
+    "prune_checkpoints",
     "restore_checkpoint",
     "save_checkpoint",
 ]
 
-#: How many checkpoints :func:`save_checkpoint` keeps (the newest ones).
+#: How many checkpoints :func:`save_checkpoint` keeps: the one ``latest`` names and the
+#: newest ones before it.
 KEEP_CHECKPOINTS = 2
 
 _RECORD_BYTES = 1024
@@ -95,8 +97,8 @@ def save_checkpoint(root: Path, comm: Communicator, payload: CheckpointPayload) 
 
     A collective: every rank calls it. Rank 0 writes ``common.pt`` (model, optimizer,
     preconditioner, counters, config), each rank its ``rank-R.pt`` (``rank_state``); once
-    every file is on disk rank 0 moves ``latest`` and deletes all but the newest
-    :data:`KEEP_CHECKPOINTS` checkpoints.
+    every file is on disk rank 0 moves ``latest`` and deletes older checkpoints (see
+    :func:`prune_checkpoints`).
     """
     directory = step_directory(root, payload.step)
     precond = payload.preconditioner
@@ -123,16 +125,31 @@ def save_checkpoint(root: Path, comm: Communicator, payload: CheckpointPayload) 
     barrier(comm)  # every rank's file is on disk before the pointer moves
     if comm.rank == 0:
         publish_latest(root, payload.step)
-        _prune(root)
+        prune_checkpoints(root, keep=KEEP_CHECKPOINTS)
     barrier(comm)
 
 
-def _prune(root: Path) -> None:
-    old = sorted(p for p in root.glob("step-*") if p.is_dir())
-    for directory in old[:-KEEP_CHECKPOINTS]:
+def prune_checkpoints(root: Path, *, keep: int) -> list[Path]:
+    """Delete the checkpoints under ``root`` older than the ``keep`` newest up to the one
+    ``latest`` names; returns the directories deleted.
+
+    What ``latest`` names is never deleted, whatever the step numbers around it; nor is
+    anything newer than it (a checkpoint whose pointer was never moved is overwritten
+    when the run reaches that step again). Without a readable ``latest`` nothing is.
+    """
+    try:
+        current = latest_checkpoint(root)
+    except CheckpointError:
+        return []
+    if current is None:
+        return []
+    older = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name < current.name)
+    doomed = older[: max(len(older) - (keep - 1), 0)]
+    for directory in doomed:
         for item in directory.iterdir():
             item.unlink()
         directory.rmdir()
+    return doomed
 
 
 def restore_checkpoint(

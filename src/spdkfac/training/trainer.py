@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from spdkfac.comm import Communicator, destroy_distributed, init_distributed
+from spdkfac.comm import Communicator, barrier, destroy_distributed, init_distributed
 from spdkfac.data.augment import RunningMixup
 from spdkfac.training.checkpoint import atomic_write_bytes
 from spdkfac.training.config import TrainConfig
@@ -44,6 +44,7 @@ from spdkfac.training.metrics import (
     write_metrics_csv,
     write_outputs,
 )
+from spdkfac.training.outdir import claim_out_dir, clear_previous_run
 from spdkfac.training.persistence import CheckpointPayload, restore_checkpoint, save_checkpoint
 from spdkfac.training.progress import ProgressBar
 from spdkfac.training.replicas import replicas_identical, state_tensors
@@ -187,10 +188,19 @@ def train(config: TrainConfig, *, log: Callable[[str], None] = print) -> TrainSu
 def _train(config: TrainConfig, log: Callable[[str], None]) -> TrainSummary:
     comm = init_distributed(timeout=timedelta(seconds=config.collective_timeout))
     try:
+        # Before anything is read: a fresh run never mixes with another run's files.
+        clear = claim_out_dir(
+            config.out_dir, comm, resume=config.resume, overwrite=config.overwrite
+        )
         run = _Run(config, comm, log)
         if comm.rank == 0:
+            if clear:  # only now that the data and model are ready
+                removed = clear_previous_run(run.out_dir)
+                run.log(f"--overwrite: deleted the previous run's {', '.join(removed)}")
             run.out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(run.out_dir / "config.toml", config.to_toml().encode())
+        if clear:
+            barrier(comm)  # no rank writes there before the old run is gone
         if config.resume:
             run.restore()
         return _loop(run)
