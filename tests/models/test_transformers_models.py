@@ -79,12 +79,12 @@ def _gpt2() -> nn.Module:
     return hf.GPT2LMHeadModel(config).double().train()
 
 
-def _llama() -> nn.Module:
+def _llama(tied: bool = False) -> nn.Module:
     hf = _transformers()
     config = hf.LlamaConfig(
         num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2,
         num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=16,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )  # fmt: skip
     torch.manual_seed(0)
     return hf.LlamaForCausalLM(config).double().train()
@@ -97,8 +97,10 @@ KFAC_LAYERS = {
     "llama": ["model.embed_tokens", *(f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"),
               *(f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")), "lm_head"],
 }  # fmt: skip
-LEFT_ALONE = {"gpt2": r"LayerNorm \(3\)", "llama": r"LlamaRMSNorm \(3\)"}
-BUILD = {"gpt2": _gpt2, "llama": _llama}
+# A tied head owns the shared weight: the embedding gets no block of its own.
+KFAC_LAYERS["llama-tied"] = KFAC_LAYERS["llama"][1:]
+LEFT_ALONE = {"gpt2": r"LayerNorm \(3\)", "llama": r"LlamaRMSNorm \(3\)", "llama-tied": "RMSNorm"}
+BUILD = {"gpt2": _gpt2, "llama": _llama, "llama-tied": lambda: _llama(tied=True)}
 
 
 def _tokens() -> tuple[Tensor, Tensor]:
@@ -170,7 +172,7 @@ def _step(model: nn.Module, checkpointing: bool = False) -> Stepped:
     return precond, record, raw
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama-tied"])
 def test_a_tiny_model_gets_the_explicit_kfac_of_its_layers(kind: str) -> None:
     model = BUILD[kind]()
     with pytest.warns(UserWarning, match=LEFT_ALONE[kind]):

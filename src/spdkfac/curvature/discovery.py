@@ -4,7 +4,11 @@ One rule per family, tried in order on every module (:data:`BLOCK_RULES`): Krone
 blocks for the layers an adapter supports (Linear, Conv1d/Conv2d, Embedding), per-group
 blocks for grouped convolutions, normalization blocks when a normalization mode is set.
 Modules with trainable parameters of their own that no rule takes are listed once in a
-warning and keep their plain gradient.
+warning and keep their plain gradient. Frozen parameters (``requires_grad=False`` at
+construction) are never part of a block: a layer with a frozen weight is not registered,
+a frozen bias or shift is left out of its layer's block, and both are named in one
+warning as never preconditioned (also if unfrozen later: the blocks are fixed here). A
+``skip_layers`` entry skips the modules it matches and everything inside them.
 
 Two cases are decided here so that no parameter is preconditioned twice or silently not
 at all:
