@@ -152,6 +152,10 @@ class KFACLayer(ABC):
             return self.bias_column and isinstance(getattr(module, "bias", None), Tensor)
         return trainable_bias(module)
 
+    def weight_rows(self, weight_grad: Tensor) -> Tensor:
+        """The weight's gradient with the output units first (as stored, for most layers)."""
+        return weight_grad
+
     def gradient(
         self, module: nn.Module, access: GradientAccess = LOCAL_GRADIENTS
     ) -> Tensor | None:
@@ -161,6 +165,7 @@ class KFACLayer(ABC):
         weight_grad = access.read(weight)
         if weight_grad is None:
             return None
+        weight_grad = self.weight_rows(weight_grad)
         if not self.has_bias(module):
             return gradient_matrix(weight_grad, None)
         bias = module.bias

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from spdkfac.layers.base import LOCAL_GRADIENTS, GradientAccess, gradient_matrix
+from spdkfac.layers.base import LOCAL_GRADIENTS, GradientAccess
 from spdkfac.layers.linear import LinearLayer
 from spdkfac.layers.options import FactorOptions
 from spdkfac.types import WeightSharing
@@ -77,23 +77,9 @@ class TransposedLinearLayer(LinearLayer):
         assert isinstance(weight, Tensor)
         return weight.shape[1]
 
-    def gradient(
-        self, module: nn.Module, access: GradientAccess = LOCAL_GRADIENTS
-    ) -> Tensor | None:
-        """``[∇Wᵀ, ∇b]``, ``[out, in(+1)]`` (None when the weight has no gradient)."""
-        weight = module.weight
-        assert isinstance(weight, Tensor)
-        weight_grad = access.read(weight)
-        if weight_grad is None:
-            return None
-        if not self.has_bias(module):
-            return gradient_matrix(weight_grad.t(), None)
-        bias = module.bias
-        assert isinstance(bias, Tensor)
-        bias_grad = access.read(bias)
-        return gradient_matrix(
-            weight_grad.t(), bias.new_zeros(bias.shape) if bias_grad is None else bias_grad
-        )
+    def weight_rows(self, weight_grad: Tensor) -> Tensor:
+        """``∇Wᵀ``: the ``[out, in]`` rows of the ``[in, out]`` stored weight's gradient."""
+        return weight_grad.t()
 
     def set_gradient(
         self, module: nn.Module, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS
