@@ -121,8 +121,12 @@ def test_skip_layers_by_name_and_type() -> None:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert KFACPreconditioner(model, skip_layers=["1"]).layers == ["0", "2"]
-        assert KFACPreconditioner(model, skip_layers=["1.0", nn.Conv1d]).layers == ["0", "1.1"]
+        first = KFACPreconditioner(model, skip_layers=["1"])
+        assert first.layers == ["0", "2"]
+        first.remove()  # one preconditioner per model at a time
+        second = KFACPreconditioner(model, skip_layers=["1.0", nn.Conv1d])
+        assert second.layers == ["0", "1.1"]
+        second.remove()
     with pytest.raises(ValueError, match="'nope' matches no module"):
         KFACPreconditioner(model, skip_layers=["nope"])
     with pytest.raises(ValueError, match="skip_layers"):

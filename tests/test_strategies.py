@@ -88,7 +88,9 @@ def test_config_and_keyword_options_build_the_same_preconditioner() -> None:
     model = nn.Sequential(nn.Linear(4, 3))
     config = KFACConfig(damping=0.2, strategy="d-kfac", kl_clip=None)
     by_config = KFACPreconditioner(model, config=config)
+    by_config.remove()  # one preconditioner per model at a time
     by_keywords = KFACPreconditioner(model, damping=0.2, strategy="d-kfac", kl_clip=None)
+    by_keywords.remove()
     assert by_config.config == by_keywords.config == config
     # Keyword options given with config= replace its fields.
     assert KFACPreconditioner(model, config=config, damping=0.5).config.damping == 0.5

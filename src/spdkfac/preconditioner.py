@@ -23,7 +23,7 @@ from spdkfac.engine.assembly import Assembler, Stages
 from spdkfac.engine.autotune import AutoChoice, AutoTuner
 from spdkfac.engine.clip import LearningRates
 from spdkfac.engine.final import EngineParts
-from spdkfac.engine.guard import GradientGuard, warn_uncaptured
+from spdkfac.engine.guard import GradientGuard, ModelClaim, warn_uncaptured
 from spdkfac.engine.state import Counters, StateKeeper
 from spdkfac.layout import layout_of
 from spdkfac.planning.fusion import FusionPlan
@@ -73,8 +73,9 @@ class KFACPreconditioner:
 
     Raises:
         ValueError: On an invalid option (naming it and its value), a model without any
-            supported layer, a process group this rank is not in, or ranks that disagree
-            on the options or the registered layers (raised on every rank).
+            supported layer or preconditioned by another one not ``remove()``d yet, a
+            process group this rank is not in, or ranks that disagree on the options or
+            the registered layers (raised on every rank).
         TypeError: On an unknown keyword argument or a model that is not an ``nn.Module``.
     """
 
@@ -103,6 +104,7 @@ class KFACPreconditioner:
         )
         layout = layout_of(model)
         self._model = layout.module
+        self._claim = ModelClaim(self._model, f"the KFACPreconditioner at {id(self):#x}")
         first = next(self._model.parameters(), None)
         self.profiler = Profiler(
             enabled=profile,
@@ -127,6 +129,7 @@ class KFACPreconditioner:
         self._auto = AutoTuner.of(self.config, self._communicator)
         self._assembler = Assembler(parts, self.config)
         self._stages: Stages = self._assembler.build(self.config.composition, self.config)
+        self._claim.take()
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -233,11 +236,7 @@ class KFACPreconditioner:
             ``optimizer.step()``. On factor-update steps the decision is agreed by all
             ranks; otherwise it is local (identical when gradients are all-reduced).
         """
-        if self._guard.unchanged():
-            raise RuntimeError(
-                "spdkfac: step() called again without a new backward pass: the gradients "
-                "are already preconditioned (call step() once per optimizer step)"
-            )
+        self._guard.check()
         with self.profiler.span(span_name(Phase.STEP)):
             step = self._counters.step
             self._counters.step += 1
@@ -260,7 +259,8 @@ class KFACPreconditioner:
         kl_clip = self.config.kl_clip_at(step)
         rates = self._rates.at(self.config, step)
         if not stages.final.apply(gradients, rates, kl_clip, usable):
-            return self._skip()
+            self._counters.skipped += 1
+            return False
         self._guard.record()
         return True
 
@@ -288,10 +288,6 @@ class KFACPreconditioner:
             self._warned_empty = True
             warn_uncaptured(self._stages.final.held())
         return True
-
-    def _skip(self) -> bool:
-        self._counters.skipped += 1
-        return False
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *, inverses: bool = True) -> dict[str, Any]:
@@ -380,11 +376,16 @@ class KFACPreconditioner:
             self._switch(self._auto.current)
 
     def remove(self) -> None:
-        """Remove every hook this preconditioner installed and release the process groups
-        it created (call it on every rank, after its last step); the model is left as it
-        was, and under DDP its gradients are all-reduced by DDP's own hook again."""
+        """Remove every hook installed and release the process groups created (on every
+        rank, after the last step); the model is left as it was (DDP's own hook all-reduces
+        again), another preconditioner may be built on it; :meth:`step` then raises
+        ``RuntimeError``, a second ``remove()`` does nothing."""
+        if self._guard.removed:
+            return
         self._stages.collector.remove()
         self._assembler.close()
+        self._guard.removed = True
+        self._claim.release()
 
     def __repr__(self) -> str:
         return (

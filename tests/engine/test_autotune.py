@@ -124,6 +124,7 @@ def test_one_rank_decides_at_once_and_a_discarded_inverse_phase_changes_nothing(
     for name, (a, g) in before.items():
         after_a, after_g = precond.inverses(name)
         assert after_a is a and after_g is g
+    precond.remove()  # one preconditioner per model at a time
     with pytest.raises(ValueError, match="retune"):
         KFACPreconditioner(model, strategy="d-kfac", lr=0.1).retune()
     with pytest.raises(ValueError, match="auto_candidates"):

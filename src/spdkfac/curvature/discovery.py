@@ -4,7 +4,11 @@ One rule per family, tried in order on every module (:data:`BLOCK_RULES`): Krone
 blocks for the layers an adapter supports (Linear, Conv1d/Conv2d, Embedding), per-group
 blocks for grouped convolutions, normalization blocks when a normalization mode is set.
 Modules with trainable parameters of their own that no rule takes are listed once in a
-warning and keep their plain gradient.
+warning and keep their plain gradient. Frozen parameters (``requires_grad=False`` at
+construction) are never part of a block: a layer with a frozen weight is not registered,
+a frozen bias or shift is left out of its layer's block, and both are named in one
+warning as never preconditioned (also if unfrozen later: the blocks are fixed here). A
+``skip_layers`` entry skips the modules it matches and everything inside them.
 
 Two cases are decided here so that no parameter is preconditioned twice or silently not
 at all:
@@ -96,6 +100,7 @@ def _kronecker(name: str, module: nn.Module, settings: BlockSettings) -> Curvatu
     if adapter is None or not _trainable_weight(module):
         return None
     adapter = adapter.with_options(settings.factor_options, weight_sharing=settings.weight_sharing)
+    adapter = adapter.for_module(module)
     block_type = DiagonalKroneckerBlock if adapter.diagonal_a else KroneckerBlock
     return block_type(name, module, adapter, form=settings.form, factor_dtype=settings.factor_dtype)
 
@@ -105,6 +110,7 @@ def _grouped(name: str, module: nn.Module, settings: BlockSettings) -> Curvature
     if adapter is None or getattr(module, "groups", 1) == 1 or not _trainable_weight(module):
         return None
     adapter = adapter.with_options(settings.factor_options, weight_sharing=settings.weight_sharing)
+    adapter = adapter.for_module(module)
     return GroupedConvBlock(
         name, module, adapter, form=settings.form, factor_dtype=settings.factor_dtype
     )
@@ -187,29 +193,78 @@ def _drop_shared(blocks: dict[str, CurvatureBlock]) -> dict[str, CurvatureBlock]
     }
 
 
-def discover_blocks(
-    model: nn.Module,
-    skip: tuple[SkipEntry, ...],
-    settings: BlockSettings | None = None,
-    *,
-    warn: bool = True,
-) -> list[CurvatureBlock]:
-    """Every curvature block of ``model`` in ``named_modules`` order: Kronecker and grouped
-    blocks first, then normalization blocks; warns once about unsupported layers.
-
-    Raises:
-        ValueError: A name in ``skip`` matches no module, or nothing is left to register.
-    """
-    settings = BlockSettings() if settings is None else settings
-    modules = list(model.named_modules())
-    for entry in skip:
-        if isinstance(entry, str) and not any(_entry_matches(n, m, entry) for n, m in modules):
-            raise ValueError(f"skip_layers entry {entry!r} matches no module of the model")
-    attention = _attention_children(model)
-    found: dict[str, CurvatureBlock] = {}
-    unsupported: Counter[str] = Counter()
+def _skipped_names(model: nn.Module, skip: Iterable[SkipEntry]) -> set[str]:
+    """Names of the modules ``skip`` matches and of every module inside one: a container
+    skipped by its name, class name or type skips its children."""
+    entries = tuple(skip)
+    skipped: set[str] = set()
     for name, module in model.named_modules():
-        if _is_skipped(name, module, skip):
+        parent = name.rpartition(".")[0]
+        if _is_skipped(name, module, entries) or (name and parent in skipped):
+            skipped.add(name)
+    return skipped
+
+
+_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
+
+
+def _frozen_parts(name: str, module: nn.Module, settings: BlockSettings) -> list[str]:
+    """What of a layer a rule takes (or would take, were its weight trainable) is frozen
+    now: the layer's name when its weight is, its ``bias`` when only that is. Frozen parts
+    are never preconditioned, even when unfrozen later."""
+    weight = module.__dict__.get("_parameters", {}).get("weight")
+    takes = adapter_for_type(module) is not None or (
+        settings.norm_mode(module) is not None and isinstance(module, _NORM_TYPES)
+    )
+    if not takes or not isinstance(weight, nn.Parameter):
+        return []
+    if not weight.requires_grad:
+        return [name or type(module).__name__]
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, nn.Parameter) and not bias.requires_grad:
+        return [f"{name}.bias" if name else "bias"]
+    return []
+
+
+def _warn_frozen(frozen: list[str]) -> None:
+    shown = ", ".join(frozen[:12]) + (f" and {len(frozen) - 12} more" if len(frozen) > 12 else "")
+    warnings.warn(
+        f"spdkfac: these frozen (requires_grad=False) layers or biases are left out of "
+        f"K-FAC and are never preconditioned, also if unfrozen later (to precondition "
+        f"them after unfreezing, call remove() and build a new KFACPreconditioner): {shown}",
+        UserWarning,
+        stacklevel=5,
+    )
+
+
+def _warn_unsupported(unsupported: Counter[str]) -> None:
+    listed = ", ".join(f"{kind} ({count})" for kind, count in sorted(unsupported.items()))
+    hint = (
+        " (nn.MultiheadAttention: write the projections as nn.Linear layers to precondition them)"
+        if "MultiheadAttention" in unsupported
+        else ""
+    )
+    warnings.warn(
+        f"spdkfac: these layers are not preconditioned and keep their plain gradient: "
+        f"{listed}{hint}",
+        UserWarning,
+        stacklevel=5,
+    )
+
+
+@dataclass
+class _Found:
+    blocks: dict[str, CurvatureBlock] = field(default_factory=dict)
+    unsupported: Counter[str] = field(default_factory=Counter)
+    frozen: list[str] = field(default_factory=list)
+
+
+def _find(model: nn.Module, skipped: set[str], settings: BlockSettings) -> _Found:
+    """Every module's block (by the first rule taking it), and what no rule takes."""
+    attention = _attention_children(model)
+    found = _Found()
+    for name, module in model.named_modules():
+        if name in skipped:
             continue
         if name in attention and not isinstance(module, nn.MultiheadAttention):
             continue  # listed once, as the attention module
@@ -221,32 +276,47 @@ def discover_blocks(
                 (b for rule in BLOCK_RULES if (b := rule(name, module, settings)) is not None),
                 None,
             )
+        frozen = _frozen_parts(name, module, settings) if name not in attention else []
+        found.frozen.extend(frozen)
         if block is not None:
-            found[name] = block
-        elif any(p.requires_grad for p in module.parameters(recurse=False)):
-            unsupported[type(module).__name__] += 1
-    found = _drop_shared(found)
-    if not any(block.section.primary for block in found.values()):
+            found.blocks[name] = block
+        elif not frozen and any(p.requires_grad for p in module.parameters(recurse=False)):
+            found.unsupported[type(module).__name__] += 1
+    return found
+
+
+def discover_blocks(
+    model: nn.Module,
+    skip: tuple[SkipEntry, ...],
+    settings: BlockSettings | None = None,
+    *,
+    warn: bool = True,
+) -> list[CurvatureBlock]:
+    """Every curvature block of ``model`` in ``named_modules`` order: Kronecker and grouped
+    blocks first, then normalization blocks; warns once about unsupported layers and once
+    about frozen ones (see :func:`_frozen_parts`).
+
+    Raises:
+        ValueError: A name in ``skip`` matches no module, or nothing is left to register.
+    """
+    settings = BlockSettings() if settings is None else settings
+    modules = list(model.named_modules())
+    for entry in skip:
+        if isinstance(entry, str) and not any(_entry_matches(n, m, entry) for n, m in modules):
+            raise ValueError(f"skip_layers entry {entry!r} matches no module of the model")
+    found = _find(model, _skipped_names(model, skip), settings)
+    blocks = _drop_shared(found.blocks)
+    if not any(block.section.primary for block in blocks.values()):
         raise ValueError(
             "model has no layer K-FAC supports (nn.Linear, nn.Conv1d/nn.Conv2d, "
-            "nn.Embedding) outside skip_layers"
+            "nn.Embedding) with a trainable weight outside skip_layers"
         )
-    if unsupported and warn:
-        listed = ", ".join(f"{kind} ({count})" for kind, count in sorted(unsupported.items()))
-        hint = (
-            " (nn.MultiheadAttention: write the projections as nn.Linear layers to "
-            "precondition them)"
-            if "MultiheadAttention" in unsupported
-            else ""
-        )
-        warnings.warn(
-            f"spdkfac: these layers are not preconditioned and keep their plain gradient: "
-            f"{listed}{hint}",
-            UserWarning,
-            stacklevel=4,
-        )
-    blocks = list(found.values())
-    return [b for b in blocks if b.section.primary] + [b for b in blocks if not b.section.primary]
+    if found.unsupported and warn:
+        _warn_unsupported(found.unsupported)
+    if found.frozen and warn:
+        _warn_frozen(found.frozen)
+    ordered = list(blocks.values())
+    return [b for b in ordered if b.section.primary] + [b for b in ordered if not b.section.primary]
 
 
 def discover_layers(
@@ -272,8 +342,9 @@ def discover_batchnorm_layers(
 
     See :func:`spdkfac.layers.batchnorm.is_supported_batchnorm` for what qualifies.
     """
+    skipped = _skipped_names(model, skip)
     return {
         name: module
         for name, module in model.named_modules()
-        if is_supported_batchnorm(module) and not _is_skipped(name, module, skip)
+        if is_supported_batchnorm(module) and name not in skipped
     }

@@ -69,6 +69,9 @@ class NormalizationBlock(LocalInverses, ModuleBlock):
         self.name = name
         self.module = module
         self.mode = mode
+        # Decided once: a β frozen now stays out of the block (its blocks' shape and the
+        # gradient matrix never change with requires_grad later).
+        self.shift = has_shift(module)
         self.damping_multiplier = damping_multiplier
         self.fisher: Tensor | None = None
         self.inverse: Tensor | None = None
@@ -100,7 +103,7 @@ class NormalizationBlock(LocalInverses, ModuleBlock):
             units=self.channels,
             channel_first=self.kind.channel_first,
             diagonal=self.mode == "diagonal",
-            shift=has_shift(self.module),
+            shift=self.shift,
         )
         return {self._key: (blocks, examples)}
 
@@ -122,7 +125,7 @@ class NormalizationBlock(LocalInverses, ModuleBlock):
 
     # ------------------------------------------------------------------ preconditioning
     def gradient(self, access: GradientAccess = LOCAL_GRADIENTS) -> Tensor | None:
-        return norm_gradient(self.module, access)
+        return norm_gradient(self.module, access, shift=self.shift)
 
     def precondition(self, gradient: Tensor) -> Tensor:
         if self.inverse is None:
@@ -130,7 +133,7 @@ class NormalizationBlock(LocalInverses, ModuleBlock):
         return precondition_units(gradient, self.inverse)
 
     def set_gradient(self, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS) -> None:
-        write_norm_gradient(self.module, matrix, access)
+        write_norm_gradient(self.module, matrix, access, shift=self.shift)
 
     # ------------------------------------------------------------------ state
     def factors(self) -> tuple[Tensor | None]:

@@ -1,16 +1,59 @@
-"""Checks on how the user drives the step: the guard against preconditioning the same
-gradient twice, and the warning about registered layers no pass reached."""
+"""Checks on how the user drives the preconditioner: the guard against preconditioning the
+same gradient twice or after ``remove()``, one preconditioner per model, and the warning
+about registered layers no pass reached."""
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
+from typing import ClassVar
 
 from torch import Tensor, nn
 
 from spdkfac.curvature import CurvatureBlock
 
-__all__ = ["GradientGuard", "warn_uncaptured"]
+__all__ = ["GradientGuard", "ModelClaim", "warn_uncaptured"]
+
+
+class ModelClaim:
+    """One preconditioner per model: the modules of a model a live preconditioner (one not
+    ``remove()``d) hooks are claimed by it, and a second one on any of them is refused —
+    it would capture every call twice and precondition the gradient twice.
+
+    Args:
+        model: The user's module.
+        owner: How to name the preconditioner claiming it in the error.
+
+    Raises:
+        ValueError: A module of ``model`` is claimed already (naming its preconditioner).
+    """
+
+    _claims: ClassVar[weakref.WeakKeyDictionary[nn.Module, str]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, model: nn.Module, owner: str) -> None:
+        for name, module in model.named_modules():
+            first = self._claims.get(module)
+            if first is not None:
+                where = f"module {name!r} of this model" if name else "this model"
+                raise ValueError(
+                    f"spdkfac: {where} is already preconditioned by {first}: call its "
+                    "remove() before building another KFACPreconditioner on it (two would "
+                    "precondition every gradient twice)"
+                )
+        self._modules = weakref.WeakSet(model.modules())
+        self.owner = owner
+
+    def take(self) -> None:
+        """Claim the modules (once the preconditioner is built)."""
+        for module in self._modules:
+            self._claims[module] = self.owner
+
+    def release(self) -> None:
+        """Give them back (``remove()``): another preconditioner may be built on them."""
+        for module in self._modules:
+            if self._claims.get(module) == self.owner:
+                del self._claims[module]
 
 
 def warn_uncaptured(blocks: Sequence[CurvatureBlock]) -> None:
@@ -49,6 +92,24 @@ class GradientGuard:
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self._weights = [m.weight for m in modules if isinstance(m.weight, Tensor)]
         self._recorded: list[tuple[int, int] | None] | None = None
+        self.removed = False
+
+    def check(self) -> None:
+        """Refuse a ``step()`` after ``remove()`` or without a new backward pass.
+
+        Raises:
+            RuntimeError: Either case, saying which.
+        """
+        if self.removed:
+            raise RuntimeError(
+                "spdkfac: step() after remove(): the hooks are gone and the inverses are "
+                "stale; build a new KFACPreconditioner to precondition again"
+            )
+        if self.unchanged():
+            raise RuntimeError(
+                "spdkfac: step() called again without a new backward pass: the gradients "
+                "are already preconditioned (call step() once per optimizer step)"
+            )
 
     def record(self) -> None:
         """Note the gradients as the step left them."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from spdkfac.layers.base import (
@@ -18,6 +20,7 @@ from spdkfac.layers.conv2d import Conv2dLayer
 from spdkfac.layers.embedding import EmbeddingLayer
 from spdkfac.layers.linear import LinearLayer
 from spdkfac.layers.options import FactorMethod, FactorOptions, SelectionPolicy
+from spdkfac.layers.transposed_linear import TransposedLinearLayer, is_transposed_linear
 
 __all__ = [
     "LOCAL_GRADIENTS",
@@ -31,6 +34,7 @@ __all__ = [
     "LinearLayer",
     "LocalGradients",
     "SelectionPolicy",
+    "TransposedLinearLayer",
     "adapter_for_type",
     "gradient_matrix",
     "lookup",
@@ -40,6 +44,12 @@ __all__ = [
 ]
 
 _REGISTRY: dict[type[nn.Module], KFACLayer] = {}
+
+#: Layers recognised by what they are rather than by a type spdkfac can import: (test,
+#: adapter), tried in order after the registry (``transformers``' ``Conv1D``).
+_RECOGNISED: list[tuple[Callable[[nn.Module], bool], KFACLayer]] = [
+    (is_transposed_linear, TransposedLinearLayer()),
+]
 
 
 def register_layer_type(adapter: KFACLayer) -> None:
@@ -57,6 +67,9 @@ def adapter_for_type(module: nn.Module) -> KFACLayer | None:
         for base in type(module).__mro__[1:]:
             if base in _REGISTRY and type(module).forward is base.forward:
                 return _REGISTRY[base]
+        for recognises, candidate in _RECOGNISED:
+            if recognises(module):
+                return candidate
     return adapter
 
 

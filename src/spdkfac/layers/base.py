@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from typing import Protocol
 
@@ -18,6 +19,7 @@ __all__ = [
     "LocalGradients",
     "gradient_matrix",
     "precondition",
+    "trainable_bias",
     "write_gradient_matrix",
 ]
 
@@ -51,6 +53,13 @@ class LocalGradients:
 LOCAL_GRADIENTS = LocalGradients()
 
 
+def trainable_bias(module: nn.Module) -> bool:
+    """Whether the module has a bias that is trained (``requires_grad``): a frozen bias is a
+    constant of the layer, not a parameter of its curvature block."""
+    bias = getattr(module, "bias", None)
+    return isinstance(bias, Tensor) and bias.requires_grad
+
+
 def gradient_matrix(weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
     """``[∇W.view(out, -1), ∇b]``: the layer gradient as an ``[out, in(+1)]`` matrix."""
     matrix = weight_grad.reshape(weight_grad.shape[0], -1)
@@ -60,17 +69,23 @@ def gradient_matrix(weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
 
 
 def write_gradient_matrix(
-    module: nn.Module, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS
+    module: nn.Module,
+    matrix: Tensor,
+    access: GradientAccess = LOCAL_GRADIENTS,
+    *,
+    bias: bool = True,
 ) -> None:
     """Write an ``[out, in(+1)]`` matrix back as ``module.weight``'s and ``bias``'s
-    gradients (the bias only where it has one)."""
+    gradients (the bias only where it has one, ``bias`` is True and it has a gradient)."""
     weight = module.weight
     assert isinstance(weight, Tensor)
     columns = weight[0].numel()
     access.write(weight, matrix[:, :columns].reshape(weight.shape))
-    bias = getattr(module, "bias", None)
-    if isinstance(bias, Tensor) and access.read(bias) is not None:
-        access.write(bias, matrix[:, columns])
+    parameter = getattr(module, "bias", None)
+    if not bias or matrix.shape[1] <= columns or not isinstance(parameter, Tensor):
+        return
+    if access.read(parameter) is not None:
+        access.write(parameter, matrix[:, columns])
 
 
 def precondition(gradient: Tensor, a_inverse: Tensor, g_inverse: Tensor) -> Tensor:
@@ -91,6 +106,9 @@ class KFACLayer(ABC):
     module_types: tuple[type[nn.Module], ...] = ()
     #: A is a diagonal kept as a ``[a_dim]`` vector (one-hot inputs: ``nn.Embedding``).
     diagonal_a: bool = False
+    #: Whether A has the bias column, fixed for one module by :meth:`for_module` when its
+    #: block is built (None: decided from the module at each call).
+    bias_column: bool | None = None
 
     def supports(self, module: nn.Module) -> bool:
         """Whether this module's configuration is supported (e.g. Conv2d with groups=1)."""
@@ -119,9 +137,24 @@ class KFACLayer(ABC):
         (self when it has no options)."""
         return self
 
+    def for_module(self, module: nn.Module) -> KFACLayer:
+        """This adapter with the bias column decided once, for ``module`` as it is now: its
+        block's factor shapes then never change, whatever ``requires_grad`` becomes later."""
+        bound = copy.copy(self)
+        bound.bias_column = trainable_bias(module)
+        return bound
+
     def has_bias(self, module: nn.Module) -> bool:
-        """Whether the module has a bias parameter."""
-        return isinstance(getattr(module, "bias", None), Tensor)
+        """Whether the block has the bias column: the module has a *trainable* bias (as
+        :meth:`for_module` found it). A frozen bias is left out of A and of the gradient
+        matrix, so the weight's update is K-FAC of the trainable parameters only."""
+        if self.bias_column is not None:
+            return self.bias_column and isinstance(getattr(module, "bias", None), Tensor)
+        return trainable_bias(module)
+
+    def weight_rows(self, weight_grad: Tensor) -> Tensor:
+        """The weight's gradient with the output units first (as stored, for most layers)."""
+        return weight_grad
 
     def gradient(
         self, module: nn.Module, access: GradientAccess = LOCAL_GRADIENTS
@@ -132,14 +165,18 @@ class KFACLayer(ABC):
         weight_grad = access.read(weight)
         if weight_grad is None:
             return None
-        bias = getattr(module, "bias", None)
-        bias_grad = access.read(bias) if isinstance(bias, Tensor) else None
-        if isinstance(bias, Tensor) and bias_grad is None:
-            bias_grad = torch.zeros_like(bias)
-        return gradient_matrix(weight_grad, bias_grad)
+        weight_grad = self.weight_rows(weight_grad)
+        if not self.has_bias(module):
+            return gradient_matrix(weight_grad, None)
+        bias = module.bias
+        assert isinstance(bias, Tensor)
+        bias_grad = access.read(bias)
+        return gradient_matrix(
+            weight_grad, torch.zeros_like(bias) if bias_grad is None else bias_grad
+        )
 
     def set_gradient(
         self, module: nn.Module, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS
     ) -> None:
         """Write a preconditioned ``[out, in(+1)]`` matrix back into the parameters."""
-        write_gradient_matrix(module, matrix, access)
+        write_gradient_matrix(module, matrix, access, bias=self.has_bias(module))

@@ -90,7 +90,7 @@ class LinearLayer(KFACLayer):
         weight_sharing: ``"expand"`` or ``"reduce"`` (see the module docstring).
     """
 
-    module_types = (nn.Linear,)
+    module_types: tuple[type[nn.Module], ...] = (nn.Linear,)
 
     def __init__(
         self, *, options: FactorOptions | None = None, weight_sharing: WeightSharing = "expand"

@@ -158,30 +158,39 @@ def _bias(module: nn.Module) -> Tensor | None:
 
 
 def has_shift(module: nn.Module) -> bool:
-    """Whether the layer has a β parameter (RMSNorm and ``bias=False`` LayerNorm do not)."""
-    return _bias(module) is not None
+    """Whether the layer has a trainable β (RMSNorm and ``bias=False`` LayerNorm have none;
+    a frozen β is a constant, left out of the block: its entries are zero)."""
+    bias = _bias(module)
+    return bias is not None and bias.requires_grad
 
 
-def norm_gradient(module: nn.Module, access: GradientAccess = LOCAL_GRADIENTS) -> Tensor | None:
-    """``[P, 2]`` matrix ``[∇γ, ∇β]`` (β's as zeros when absent); None without ∇γ."""
+def norm_gradient(
+    module: nn.Module, access: GradientAccess = LOCAL_GRADIENTS, *, shift: bool = True
+) -> Tensor | None:
+    """``[P, 2]`` matrix ``[∇γ, ∇β]`` (β's as zeros when absent, or when ``shift`` is
+    False: the block has no β); None without ∇γ."""
     weight, bias = module.weight, _bias(module)
     assert isinstance(weight, Tensor)
     weight_grad = access.read(weight)
     if weight_grad is None:
         return None
     scale = weight_grad.reshape(-1)
-    bias_grad = None if bias is None else access.read(bias)
-    shift = None if bias_grad is None else bias_grad.reshape(-1)
-    return torch.stack([scale, torch.zeros_like(scale) if shift is None else shift], dim=1)
+    bias_grad = None if bias is None or not shift else access.read(bias)
+    column = torch.zeros_like(scale) if bias_grad is None else bias_grad.reshape(-1)
+    return torch.stack([scale, column], dim=1)
 
 
 def write_norm_gradient(
-    module: nn.Module, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS
+    module: nn.Module,
+    matrix: Tensor,
+    access: GradientAccess = LOCAL_GRADIENTS,
+    *,
+    shift: bool = True,
 ) -> None:
     """Write a ``[P, 2]`` matrix back as ``weight``'s and ``bias``'s gradients (the bias
-    only where it has one)."""
+    only where it has one, in the block, ``shift``)."""
     weight, bias = module.weight, _bias(module)
     assert isinstance(weight, Tensor)
     access.write(weight, matrix[:, 0].reshape(weight.shape))
-    if bias is not None and access.read(bias) is not None:
+    if shift and bias is not None and access.read(bias) is not None:
         access.write(bias, matrix[:, 1].reshape(bias.shape))
