@@ -12,11 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from distributed_helper import run_distributed
 from spdkfac import KFACPreconditioner
 
 STRATEGIES = ("d-kfac", "spd-kfac", "osawa")
+#: The second call of the cell runs in a non-reentrant checkpointed region on some steps
+#: (recomputed in backward, never counted twice). DDP itself refuses reentrant regions
+#: around a parameter used several times ("mark a variable ready only once").
+CHECKPOINTED = (None, "non-reentrant", "non-reentrant", None)
 SHARE = 3
 #: Calls of the looped layer per pass, by step then rank: the first factor step is the
 #: smallest, later ones grow and differ by rank (and shrink again at the last step).
@@ -32,11 +37,17 @@ class _Loop(nn.Module):
         self.cell = nn.Linear(5, 5)
         self.head = nn.Linear(5, 3)
 
-    def forward(self, x: Tensor, loops: int) -> Tensor:
+    def forward(self, x: Tensor, loops: int, checkpointed: str | None = None) -> Tensor:
         h = torch.tanh(self.stem(x))
-        for _ in range(loops):
-            h = torch.tanh(self.cell(h))
+        for index in range(loops):
+            if index == 1 and checkpointed is not None:  # a later call in a region
+                h = checkpoint(self._cell, h, use_reentrant=checkpointed == "reentrant")
+            else:
+                h = self._cell(h)
         return self.head(h)
+
+    def _cell(self, h: Tensor) -> Tensor:
+        return torch.tanh(self.cell(h))
 
 
 def _model() -> nn.Module:
@@ -75,7 +86,8 @@ def _worker(rank: int, world_size: int) -> dict[str, list[dict[str, Tensor]]]:
                 inputs, targets = _data(world_size, step)
                 local = slice(rank * SHARE, (rank + 1) * SHARE)
                 model.zero_grad()
-                F.cross_entropy(model(inputs[local], calls[rank]), targets[local]).backward()
+                output = model(inputs[local], calls[rank], CHECKPOINTED[step])
+                F.cross_entropy(output, targets[local]).backward()
                 assert precond.step()
                 states.append(_state(precond, model.module))
         out[strategy] = states
