@@ -7,8 +7,9 @@ the factor exchange as soon as it has the calls the previous steps had (so its a
 can start while the passes go on), and at the step reduces the rest. A slot called more
 often after its hand-over (call counts may grow, and differ by rank) is marked grown; the
 marks travel with the step's weights, and every rank then exchanges the marked slots
-again, complete: one more collective on the steps where counts grew, none otherwise. A group of one uses an
-exchange that completes at once, so there is one code path whatever the world size.
+again, complete: one more collective on the steps where counts grew, none otherwise. A
+group of one uses an exchange that completes at once, so there is one code path whatever
+the world size.
 """
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ class FactorCollector:
         # a slot called more often (grown) is exchanged again at the step, agreed by all.
         self._expected: dict[str, int] | None = None
         self._grown: set[str] = set()
+        # Until the first factor step: per output-gradient slot, the backward passes
+        # (autograd graph tasks) its calls came in, to tell accumulation passes from a
+        # layer called several times in one pass.
+        self._passes: dict[str, set[int]] = {}
         self.forward_order: list[str] = []
         slots = [slot for block in blocks for slot in block.slots()]
         self._slots = {slot.key: slot for slot in slots}
@@ -162,6 +167,8 @@ class FactorCollector:
             self._add(self._blocks[name].capture_input(inputs[: self._examples]), correction=1.0)
 
     def _on_grad_output(self, name: str, module: nn.Module, inputs: Tensor, grad: Tensor) -> None:
+        if self._expected is None:
+            self._passes.setdefault(name, set()).add(torch._C._current_graph_task_id())
         label = self._labels[(name, False)]
         correction = self._correction()
         kept = self._examples
@@ -236,11 +243,12 @@ class FactorCollector:
 
     def _learn_calls(self) -> None:
         """On the first factor step: how many calls make each slot final, and a warning
-        when every layer ran more often than ``accumulation_steps`` (forgotten option)."""
+        when every layer ran in more backward passes than ``accumulation_steps``
+        (forgotten option; calls within one pass, a loop or an unrolled cell, count once)."""
         calls = {key: p.calls for key, p in self._pending.items() if p.calls > 0}
         self._expected = calls
-        backward = [n for key, n in calls.items() if not self._slots[key].forward]
-        passes = min(backward, default=0)
+        passes = min((len(tasks) for tasks in self._passes.values()), default=0)
+        self._passes = {}
         if passes > self._accumulation_steps:
             warnings.warn(
                 f"spdkfac: every layer ran backward {passes} times before step() with "
