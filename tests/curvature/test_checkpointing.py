@@ -125,3 +125,17 @@ def test_checkpointed_factors_match_the_explicit_reference(mode: str, inside_fir
     a_factor, g_factor = precond.factors("fc")
     torch.testing.assert_close(a_factor, a_expected, rtol=1e-10, atol=1e-13)
     torch.testing.assert_close(g_factor, g_expected, rtol=1e-10, atol=1e-13)
+
+
+def test_recomputations_leave_nothing_behind_between_factor_steps() -> None:
+    """Non-reentrant regions stop recomputing early (torch's default): steps without a
+    factor update must not pile up bookkeeping for those calls."""
+    model = _model("non-reentrant", inside_first=False)
+    precond = KFACPreconditioner(model, kl_clip=None, factor_update_steps=100)
+    for step in range(5):
+        model.zero_grad()
+        inputs, targets = _data(step)
+        F.cross_entropy(model(inputs), targets).backward()
+        precond.step()
+    capture = precond._stages.collector._capture  # the hooks' bookkeeping, per layer
+    assert all(not calls for calls in capture._active.values())

@@ -116,15 +116,20 @@ class ActivationCapture:
 
     def _pre_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            # One entry per call, captured or not (None), so that the forward hook pairs
-            # with its own call even after a recomputation stopped early left one behind.
+            # One entry per forward call, captured or not (None), so that the forward hook
+            # pairs with its own call even after a recomputation that stopped early (a
+            # non-reentrant checkpoint's) left one behind, until the step forgets it. A
+            # call in backward that is not captured adds nothing: it would stay behind
+            # on steps without a factor update.
             calls = self._active.setdefault(name, [])
             if not (module.training and torch.is_grad_enabled()):
-                calls.append(None)
+                if not _in_backward():
+                    calls.append(None)
                 return
             layer_input = _layer_input(args, kwargs)
             if layer_input is None or layer_input.numel() == 0 or not self._enabled():
-                calls.append(None)  # an empty batch contributes nothing (weight 0)
+                if not _in_backward():
+                    calls.append(None)  # an empty batch contributes nothing (weight 0)
                 return
             inputs = layer_input.detach()
             unbatched = inputs.dim() == self._unbatched[name]
@@ -165,7 +170,7 @@ class ActivationCapture:
 
     def forget(self) -> None:
         """Drop the bookkeeping of calls whose gradient never came (a forward without
-        backward); called at every step."""
+        backward, a recomputation that stopped early); called at every factor step."""
         self._active.clear()
 
     def remove(self) -> None:
