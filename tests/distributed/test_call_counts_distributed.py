@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
@@ -74,10 +75,20 @@ def _state(precond: KFACPreconditioner, model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def _worker(rank: int, world_size: int) -> dict[str, list[dict[str, Tensor]]]:
+def _average_gradients(model: nn.Module) -> None:
+    """What DDP would do, for a model without it (DDP refuses reentrant regions here)."""
+    world_size = dist.get_world_size()
+    for parameter in model.parameters():
+        assert parameter.grad is not None
+        dist.all_reduce(parameter.grad)
+        parameter.grad.div_(world_size)
+
+
+def _worker(rank: int, world_size: int, reentrant: bool) -> dict[str, list[dict[str, Tensor]]]:
     out: dict[str, list[dict[str, Tensor]]] = {}
     for strategy in STRATEGIES:
-        model = DistributedDataParallel(_model())
+        plain = _model()
+        model = plain if reentrant else DistributedDataParallel(plain)
         precond = KFACPreconditioner(model, **_options(strategy))  # type: ignore[arg-type]
         states = []
         with warnings.catch_warnings():
@@ -86,10 +97,13 @@ def _worker(rank: int, world_size: int) -> dict[str, list[dict[str, Tensor]]]:
                 inputs, targets = _data(world_size, step)
                 local = slice(rank * SHARE, (rank + 1) * SHARE)
                 model.zero_grad()
-                output = model(inputs[local], calls[rank], CHECKPOINTED[step])
+                region = CHECKPOINTED[step] and ("reentrant" if reentrant else CHECKPOINTED[step])
+                output = model(inputs[local], calls[rank], region)
                 F.cross_entropy(output, targets[local]).backward()
+                if reentrant:
+                    _average_gradients(plain)
                 assert precond.step()
-                states.append(_state(precond, model.module))
+                states.append(_state(precond, plain))
         out[strategy] = states
     return out
 
@@ -111,9 +125,15 @@ def _reference(world_size: int) -> list[dict[str, Tensor]]:
     return states
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_growing_rank_dependent_call_counts_match_single_process(world_size: int) -> None:
-    results = run_distributed(_worker, world_size, timeout=240)
+@pytest.mark.parametrize(
+    ("world_size", "reentrant"), [(2, False), (3, False), (2, True)], ids=["2", "3", "2-reentrant"]
+)
+def test_growing_rank_dependent_call_counts_match_single_process(
+    world_size: int, reentrant: bool
+) -> None:
+    """Under DDP with non-reentrant regions; without DDP (gradients averaged by hand)
+    with reentrant ones, whose calls are captured in the backward pass."""
+    results = run_distributed(_worker, world_size, reentrant, timeout=240)
     reference = _reference(world_size)
     for rank, out in enumerate(results):
         for strategy in STRATEGIES:
