@@ -40,11 +40,25 @@ def test_eager_buckets_launch_in_plan_order_whatever_the_hook_order() -> None:
     assert len(comm.log) == 2
     assert exchange.add("a/G", _sym(5, 3), 2.0) is False  # a second contribution is ignored
     result = exchange.finish(local_ok=True).wait()
-    # Bucket 2 (with b/G as zeros), then one tensor of weights and the gradient flag.
-    assert [numel for _, numel, _ in comm.log] == [10, 6, 18, len(SLOTS) + 1]
+    # Bucket 2 (with b/G as zeros), then one tensor of weights, grown flags and the
+    # gradient flag.
+    assert [numel for _, numel, _ in comm.log] == [10, 6, 18, 2 * len(SLOTS) + 1]
     assert result.factors["b/G"] is None and result.usable
     # Factors stay packed: unpacking is for the ranks that invert them.
     torch.testing.assert_close(result.factors["a/G"], pack_triu(_sym(5, 3)))
+
+
+def test_grown_and_late_slots_come_back_to_be_revised_then_are_forgotten() -> None:
+    plan = FusionPlan("test", (("a/A", "b/A"), ("b/G", "a/G")), eager=True)
+    exchange = FactorExchange(LocalCommunicator(), SLOTS, plan, dtype=torch.float64)
+    exchange.add("a/A", _sym(4, 0), 1.0)
+    exchange.flush(0)  # bucket 0 leaves without b/A
+    exchange.add("b/A", _sym(3, 1), 1.0)  # late: ignored this exchange
+    result = exchange.finish(local_ok=True, grown=["a/G"]).wait()
+    assert result.revise == ("b/A", "a/G")  # in slot-layout order
+    assert result.factors["b/A"] is None
+    exchange.add("a/A", _sym(4, 0), 1.0)
+    assert exchange.finish(local_ok=True).wait().revise == ()
 
 
 def test_weighted_average_flags_and_reuse_across_steps() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -106,3 +107,18 @@ def test_forgotten_accumulation_steps_is_reported() -> None:
         (model(torch.randn(4, 4)).pow(2).mean() / 3).backward()
     with pytest.warns(RuntimeWarning, match="set accumulation_steps=3"):
         precond.step()
+
+
+def test_a_layer_called_several_times_in_one_pass_is_not_forgotten_accumulation() -> None:
+    """An unrolled cell (the only registered layer, 3 calls in one backward pass) is not
+    three accumulation passes: no warning blaming ``accumulation_steps``."""
+    torch.manual_seed(0)
+    cell = nn.Linear(4, 4)
+    precond = KFACPreconditioner(cell, kl_clip=None)
+    h = torch.randn(5, 4)
+    for _ in range(3):
+        h = torch.tanh(cell(h))
+    h.pow(2).mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert precond.step()

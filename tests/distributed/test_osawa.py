@@ -286,7 +286,7 @@ def test_recorded_collectives_match_the_byte_formula() -> None:
         ("all_reduce_sum", 3, f32),  # which parameters have a gradient (no DDP)
         ("reduce_scatter(21,28)", 49, f32),  # A bucket: a/A to rank 0, b/A to rank 1
         ("reduce_scatter(28,6)", 34, f32),  # G bucket
-        ("all_reduce_sum", 5, f64),  # slot weights and the non-finite flag
+        ("all_reduce_sum", 9, f64),  # slot weights, grown-slot flags, non-finite flag
         ("all_reduce_max", 1, f32),  # every owner's factors finite
         ("all_reduce_max", 4, f32),  # inversion failures
         ("all_reduce_sum", 4, f64),  # KL sum, skip flag, owned layers with a gradient
@@ -296,7 +296,7 @@ def test_recorded_collectives_match_the_byte_formula() -> None:
     d_kfac = [
         ("all_reduce_sum", 49, f32),
         ("all_reduce_sum", 34, f32),
-        ("all_reduce_sum", 5, f64),
+        ("all_reduce_sum", 9, f64),
         ("all_reduce_max", 4, f32),
     ]
     for strategy, expected in (("osawa", osawa), ("d-kfac", d_kfac)):

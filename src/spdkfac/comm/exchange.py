@@ -4,7 +4,9 @@ Each rank contributes, per factor slot, its local factor times its weight (the n
 examples it averages) as a packed upper triangle. Buckets launch strictly in plan order:
 as soon as they are complete when the plan is eager (pipelined with the forward and
 backward passes), else at :meth:`FactorExchange.finish`. ``finish`` then all-reduces one
-small tensor with every slot's weight and a flag for ranks whose gradients were not
+small tensor with every slot's weight, a flag per slot for ranks whose factor grew after
+it was added (a layer called more often than the collector expected: those slots are
+re-exchanged, :attr:`ExchangeResult.revise`) and a flag for ranks whose gradients were not
 finite. Every rank ends with ``Σ_r w_r F_r / Σ_r w_r``: the example-weighted global
 average, the same as single-process K-FAC on the concatenated batch, still packed: running
 averages are elementwise, so factors stay packed until (and only where) one is inverted.
@@ -18,7 +20,7 @@ only, every other rank gets None for it (and keeps no copy).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +46,15 @@ class ExchangeResult:
             owners, where it went to another rank).
         flagged_ranks: Ranks that reported non-finite gradients.
         finite: Whether every reduced factor is finite (a NaN on any rank reaches all).
+        revise: Slots some rank marked as grown after it added them (or added after their
+            bucket left): their ``factors`` miss calls and must be exchanged again, by
+            every rank (the set is agreed through the weights' all-reduce).
     """
 
     factors: dict[str, Tensor | None]
     flagged_ranks: int
     finite: bool
+    revise: tuple[str, ...] = ()
 
     @property
     def usable(self) -> bool:
@@ -116,7 +122,10 @@ class FactorExchange:
         self._index = {key: index for index, (key, _) in enumerate(slots)}
         self._dtype = dtype
         self._comm_dtype = comm_dtype or dtype
-        self._weights = torch.zeros(len(slots) + 1, dtype=torch.float64, device=communicator.device)
+        # Per slot its weight, then per slot whether it grew here, then the bad-rank flag.
+        self._weights = torch.zeros(
+            2 * len(slots) + 1, dtype=torch.float64, device=communicator.device
+        )
         self._futures: list[Future[Tensor]] = []
         self._added: set[str] = set()
         #: Slots added after their bucket was flushed, this step (ignored; see :meth:`flush`).
@@ -203,12 +212,22 @@ class FactorExchange:
         """Whether ``key`` was contributed this step."""
         return key in self._added
 
-    def finish(self, *, local_ok: bool = True) -> PendingExchange:
-        """Launch every bucket not yet launched, then the weights and the flag."""
+    def finish(self, *, local_ok: bool = True, grown: Iterable[str] = ()) -> PendingExchange:
+        """Launch every bucket not yet launched, then the weights and the flags.
+
+        Args:
+            local_ok: False when this rank's gradients or statistics are not finite.
+            grown: Slots whose factor on this rank changed after it was added (extra
+                calls); with the slots in :attr:`late`, they come back in
+                :attr:`ExchangeResult.revise` on every rank.
+        """
         if not self._added and not self._futures:
             self._begin()
         while self._next < len(self._buffers):
             self._launch(self._next)
+        count = len(self._index)
+        for key in {*grown, *self.late}:
+            self._weights[count + self._index[key]] = 1.0
         self._weights[-1] = 0.0 if local_ok else 1.0
         futures = [*self._futures, self._communicator.all_reduce_sum(self._weights)]
         self._futures = []
@@ -273,4 +292,8 @@ class FactorExchange:
         if self._owners is not None:  # each rank saw its own factors only: agree
             flag = torch.tensor([0.0 if finite else 1.0], device=self._communicator.device)
             finite = float(self._communicator.all_reduce_max(flag).wait()) == 0.0
-        return ExchangeResult(factors=factors, flagged_ranks=round(weights[-1]), finite=finite)
+        count = len(self._index)
+        revise = tuple(key for key in self._location if weights[count + self._index[key]] > 0)
+        return ExchangeResult(
+            factors=factors, flagged_ranks=round(weights[-1]), finite=finite, revise=revise
+        )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -105,6 +105,11 @@ class FactorPipeline:
         self._a_keys = [key for key, _ in forward_slots]
         self._g_keys = [key for key, _ in backward_slots]
         dims = dict(forward_slots) | dict(backward_slots)
+        self._dims = dims
+        self._order = {key: i for i, key in enumerate(self._a_keys + self._g_keys)}
+        self._owners = route.owners
+        self._dtype = dtype
+        self._comm_dtype = comm_dtype
         self._inputs = FusionInputs(
             a_order=tuple(self._a_keys),
             g_order=tuple(self._g_keys),
@@ -172,14 +177,17 @@ class FactorPipeline:
         not handed over count with weight 0, as at :meth:`finish`)."""
         self._exchange.flush(len(self._exchange.bucket_sizes) - 1)
 
-    def finish(self, *, local_ok: bool) -> ExchangeResult:
+    def finish(self, *, local_ok: bool, grown: Iterable[str] = ()) -> ExchangeResult:
         """Launch what is left, wait for everything, and (re)plan when due.
 
-        Collective: every rank calls it once per factor step.
+        Collective: every rank calls it once per factor step. ``grown``: slots whose factor
+        grew here after its hand-over (extra calls); every rank gets them, with those any
+        rank handed over after their bucket left, in :attr:`ExchangeResult.revise`: then
+        every rank calls :meth:`revise`.
         """
         if self._scheduler is not None:
             self._scheduler.end_of_gradients()
-        pending = self._exchange.finish(local_ok=local_ok)
+        pending = self._exchange.finish(local_ok=local_ok, grown=grown)
         with self._profiler.span(span_name(Phase.FACTOR_COMM, "wait")):
             try:
                 pending.wait_transfers()
@@ -211,16 +219,38 @@ class FactorPipeline:
             scheduler.plan(self._communicator)  # a collective, at the same step everywhere
         return result
 
+    def revise(self, contributions: Mapping[str, tuple[Tensor | None, float]]) -> ExchangeResult:
+        """Exchange again the slots of :attr:`ExchangeResult.revise`, from this rank's
+        complete factor and weight per slot (None: nothing captured here). Collective:
+        every rank calls it with the same keys, after :meth:`finish` returned them; one
+        bucket and its weights, outside any scheduler window."""
+        keys = sorted(contributions, key=self._order.__getitem__)
+        owners = self._owners
+        exchange = FactorExchange(
+            self._communicator,
+            [(key, self._dims[key]) for key in keys],
+            FusionPlan("revision", (tuple(keys),), eager=False),
+            dtype=self._dtype,
+            comm_dtype=self._comm_dtype,
+            owners=None if owners is None else {key: owners[key] for key in keys},
+        )
+        for key in keys:
+            factor, weight = contributions[key]
+            if factor is not None:
+                exchange.add(key, factor, weight)
+        with self._profiler.span(span_name(Phase.FACTOR_COMM, "revision")):
+            return exchange.finish().wait()
+
     def _after_schedule(self) -> None:
-        """Close the scheduler's window (warn once about factors left out by it)."""
+        """Close the scheduler's window (warn once about factors it launched too early)."""
         late = sorted(self._exchange.late)
         if late and not self._warned_late:
             self._warned_late = True
             warnings.warn(
                 f"spdkfac: comm_scheduler='priority' launched the buckets of {late} before "
                 "these factors were ready (the schedule expected them earlier); they were "
-                "left out of this step's average. Re-plan with precond.retune() if the "
-                "model's passes changed",
+                "exchanged again after the step's buckets, an extra collective. Re-plan "
+                "with precond.retune() if the model's passes changed",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -318,7 +348,7 @@ class LocalFactorExchange:
         """Whether ``key`` was handed over this step."""
         return key in self._factors
 
-    def finish(self, *, local_ok: bool) -> ExchangeResult:
+    def finish(self, *, local_ok: bool, grown: Iterable[str] = ()) -> ExchangeResult:
         """The handed-over factors, full (the caller checked they are finite in
         ``local_ok``)."""
         factors, self._factors = self._factors, {}
@@ -326,6 +356,10 @@ class LocalFactorExchange:
 
     def flush(self) -> None:
         """Nothing travels."""
+
+    def revise(self, contributions: Mapping[str, tuple[Tensor | None, float]]) -> ExchangeResult:
+        """Never needed: factors are handed over at the step, complete."""
+        raise RuntimeError("a group of one never re-exchanges factors")
 
     def request_replan(self) -> None:
         """Nothing to plan in a group of one."""

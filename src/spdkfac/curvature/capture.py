@@ -22,6 +22,27 @@ def _layer_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tensor | N
     return value if isinstance(value, Tensor) else None
 
 
+#: Input dims at which torch reads a layer's input as one example without a batch dim.
+_UNBATCHED_DIMS: tuple[tuple[type[nn.Module], int], ...] = (
+    (nn.Embedding, 0),
+    (nn.Linear, 1),
+    (nn.Conv1d, 2),
+    (nn.Conv2d, 3),
+)
+
+
+def _unbatched_dim(module: nn.Module) -> int | None:
+    """The input dim at which ``module`` takes an unbatched input (a 0-d index, a
+    ``[C, H, W]`` image...), captured as a batch of one; None: always batched."""
+    for kind, dim in _UNBATCHED_DIMS:
+        if isinstance(module, kind):
+            return dim
+    shape = getattr(module, "normalized_shape", None)  # LayerNorm, RMSNorm
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and shape is not None:
+        return len(shape)
+    return None
+
+
 def _eager(hook: _Hook) -> _Hook:
     """``hook`` run as plain Python under ``torch.compile``: Dynamo calls it between graphs
     instead of tracing it, so the capture's changing state (call counts, which layers
@@ -50,8 +71,10 @@ class ActivationCapture:
 
     A forward call is captured only when the module is in training mode, autograd is
     enabled, and ``enabled()`` returns True; other forwards (evaluation, ``no_grad``,
-    steps without a factor update) cost one Python call and touch nothing. The layer input
-    goes to ``on_input`` from the forward pre-hook, before the layer runs; the gradient of
+    steps without a factor update) cost two Python calls and touch nothing. The layer input
+    goes to ``on_input`` from the forward pre-hook, before the layer runs (for a forward
+    that autograd runs during backward, a checkpointed region's recomputation: when its
+    output gradient arrives, or never if none does); the gradient of
     the loss with respect to the layer output goes to ``on_grad_output`` from a hook on the
     output tensor (which, unlike a module backward hook, tolerates in-place ops after the
     layer such as ``ReLU(inplace=True)``), together with that call's input: a layer used
@@ -78,10 +101,11 @@ class ActivationCapture:
         self._on_grad_output = on_grad_output
         self._enabled = enabled
         self._handles: list[RemovableHandle] = []
-        # Inputs of the forward calls being captured (pre-hook → forward hook), per module.
-        self._active: dict[str, list[Tensor]] = {}
-        # Captured calls whose output gradient has not arrived yet, per module.
-        self._waiting: dict[str, int] = {}
+        # Per module, the forward calls between pre-hook and forward hook: the captured
+        # input, whether the call runs inside backward (counted at its gradient), and
+        # whether it was unbatched (captured as a batch of one).
+        self._active: dict[str, list[tuple[Tensor, bool, bool] | None]] = {}
+        self._unbatched = {name: _unbatched_dim(module) for name, module in modules.items()}
         for name, module in modules.items():
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True)
@@ -92,16 +116,34 @@ class ActivationCapture:
 
     def _pre_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            # One entry per forward call, captured or not (None), so that the forward hook
+            # pairs with its own call even after a recomputation that stopped early (a
+            # non-reentrant checkpoint's) left one behind, until the step forgets it. A
+            # call in backward that is not captured adds nothing: it would stay behind
+            # on steps without a factor update.
+            calls = self._active.setdefault(name, [])
             if not (module.training and torch.is_grad_enabled()):
+                if not _in_backward():
+                    calls.append(None)
                 return
             layer_input = _layer_input(args, kwargs)
             if layer_input is None or layer_input.numel() == 0 or not self._enabled():
-                return  # an empty batch contributes nothing (weight 0 in the exchange)
-            if _in_backward() and self._waiting.get(name, 0) > 0:
-                return  # a non-reentrant checkpoint's recomputation
+                if not _in_backward():
+                    calls.append(None)  # an empty batch contributes nothing (weight 0)
+                return
             inputs = layer_input.detach()
-            self._active.setdefault(name, []).append(inputs)
-            self._on_input(name, module, inputs)
+            unbatched = inputs.dim() == self._unbatched[name]
+            if unbatched:
+                inputs = inputs.unsqueeze(0)
+            # A forward run by autograd during backward is a checkpointed region's
+            # recomputation: a reentrant one (its first forward ran without grad) is the
+            # call's only capture, a non-reentrant one repeats a call captured already.
+            # Only the first kind's outputs receive gradients, so such a call counts, A
+            # and G together, when its output gradient arrives; the other never counts.
+            deferred = _in_backward()
+            calls.append((inputs, deferred, unbatched))
+            if not deferred:
+                self._on_input(name, module, inputs)
 
         return _eager(hook)
 
@@ -112,16 +154,15 @@ class ActivationCapture:
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
             calls = self._active.get(name)
-            if not calls:
+            call = calls.pop() if calls else None
+            if call is None or not isinstance(output, Tensor) or not output.requires_grad:
                 return
-            inputs = calls.pop()
-            if not isinstance(output, Tensor) or not output.requires_grad:
-                return
-            self._waiting[name] = self._waiting.get(name, 0) + 1
+            inputs, deferred, unbatched = call
 
             def arrived(grad: Tensor) -> None:
-                self._waiting[name] -= 1
-                self._on_grad_output(name, module, inputs, grad)
+                if deferred:
+                    self._on_input(name, module, inputs)
+                self._on_grad_output(name, module, inputs, grad[None] if unbatched else grad)
 
             _on_output_grad(output, arrived)
 
@@ -129,9 +170,8 @@ class ActivationCapture:
 
     def forget(self) -> None:
         """Drop the bookkeeping of calls whose gradient never came (a forward without
-        backward); called at every step."""
+        backward, a recomputation that stopped early); called at every factor step."""
         self._active.clear()
-        self._waiting.clear()
 
     def remove(self) -> None:
         """Remove every hook this object installed."""
@@ -139,4 +179,3 @@ class ActivationCapture:
             handle.remove()
         self._handles.clear()
         self._active.clear()
-        self._waiting.clear()

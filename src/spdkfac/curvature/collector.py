@@ -3,9 +3,13 @@
 On factor steps the hooks hand every captured call to its block, which returns its
 contributions per exchange slot; the collector accumulates them (example-weighted, with
 the loss-scaling corrections of output-gradient statistics), hands each symmetric slot to
-the factor exchange as soon as it is final for the step (so its all-reduce can start
-while the passes go on), and at the step reduces the rest. A group of one uses an
-exchange that completes at once, so there is one code path whatever the world size.
+the factor exchange as soon as it has the calls the previous steps had (so its all-reduce
+can start while the passes go on), and at the step reduces the rest. A slot called more
+often after its hand-over (call counts may grow, and differ by rank) is marked grown; the
+marks travel with the step's weights, and every rank then exchanges the marked slots
+again, complete: one more collective on the steps where counts grew, none otherwise. A
+group of one uses an exchange that completes at once, so there is one code path whatever
+the world size.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch.autograd import Variable
 
 from spdkfac.comm import Communicator
 from spdkfac.comm.dense import reduce_dense
+from spdkfac.comm.exchange import ExchangeResult
 from spdkfac.comm.pipeline import (
     ExchangeSettings,
     FactorPipeline,
@@ -94,11 +99,17 @@ class FactorCollector:
         self._grad_scale = grad_scale
         self._scale: float | None = None
         self._profiler = profiler
-        self._warned_extra_pass = False
         self._end_queued = False
-        # Calls per step after which a slot is final, learned on the first factor step
-        # (a layer may run several times per pass): until then nothing is handed early.
+        # Calls per step after which a slot is handed over early, learned on the first
+        # factor step (a layer may run several times per pass), raised to the most calls
+        # any later step saw: until then nothing is handed early. This rank's own guess:
+        # a slot called more often (grown) is exchanged again at the step, agreed by all.
         self._expected: dict[str, int] | None = None
+        self._grown: set[str] = set()
+        # Until the first factor step: per output-gradient slot, the backward passes
+        # (autograd graph tasks) its calls came in, to tell accumulation passes from a
+        # layer called several times in one pass.
+        self._passes: dict[str, set[int]] = {}
         self.forward_order: list[str] = []
         slots = [slot for block in blocks for slot in block.slots()]
         self._slots = {slot.key: slot for slot in slots}
@@ -156,6 +167,8 @@ class FactorCollector:
             self._add(self._blocks[name].capture_input(inputs[: self._examples]), correction=1.0)
 
     def _on_grad_output(self, name: str, module: nn.Module, inputs: Tensor, grad: Tensor) -> None:
+        if self._expected is None:
+            self._passes.setdefault(name, set()).add(torch._C._current_graph_task_id())
         label = self._labels[(name, False)]
         correction = self._correction()
         kept = self._examples
@@ -194,7 +207,8 @@ class FactorCollector:
                 self._hand_over(key, pending)
 
     def _hand_over(self, key: str, pending: FactorAccumulator) -> None:
-        """After the last accumulation pass, give the statistic to the exchange."""
+        """Give the statistic to the exchange once it has the calls expected of it; a
+        call after that marks the slot grown (exchanged again at the step)."""
         mean = pending.mean()
         if mean is None:
             return
@@ -202,15 +216,7 @@ class FactorCollector:
             if not self._slots[key].forward and self._exchange.window_planned:
                 self._end_pass_at_backward_end()
             return
-        if not self._warned_extra_pass:
-            self._warned_extra_pass = True
-            warnings.warn(
-                f"spdkfac: {key} was captured more often before this step() than before "
-                f"the first factor step; the extra calls do not update its factors (the "
-                f"number of passes must stay accumulation_steps={self._accumulation_steps})",
-                RuntimeWarning,
-                stacklevel=5,
-            )
+        self._grown.add(key)
 
     def _end_pass_at_backward_end(self) -> None:
         """Once per scheduled pass (from the first output-gradient hand-over, before DDP
@@ -237,11 +243,12 @@ class FactorCollector:
 
     def _learn_calls(self) -> None:
         """On the first factor step: how many calls make each slot final, and a warning
-        when every layer ran more often than ``accumulation_steps`` (forgotten option)."""
+        when every layer ran in more backward passes than ``accumulation_steps``
+        (forgotten option; calls within one pass, a loop or an unrolled cell, count once)."""
         calls = {key: p.calls for key, p in self._pending.items() if p.calls > 0}
         self._expected = calls
-        backward = [n for key, n in calls.items() if not self._slots[key].forward]
-        passes = min(backward, default=0)
+        passes = min((len(tasks) for tasks in self._passes.values()), default=0)
+        self._passes = {}
         if passes > self._accumulation_steps:
             warnings.warn(
                 f"spdkfac: every layer ran backward {passes} times before step() with "
@@ -291,7 +298,9 @@ class FactorCollector:
         if self._expected is None:
             self._learn_calls()
         self._hand_over_rest()
-        result = self._exchange.finish(local_ok=local_ok)
+        result = self._exchange.finish(local_ok=local_ok, grown=self._grown)
+        if result.usable and result.revise:  # agreed: every rank revises the same slots
+            result = self._revise(result)
         dense: dict[str, Tensor | None] = {}
         if self._dense:
             # Issued on every factor step after the factor exchange, whatever was captured.
@@ -310,8 +319,31 @@ class FactorCollector:
             return None
         return {**result.factors, **dense}
 
+    def _revise(self, result: ExchangeResult) -> ExchangeResult:
+        """Exchange the grown slots again, each rank's every call this time."""
+        contributions = {
+            key: (self._pending[key].mean(), float(self._pending[key].weight))
+            for key in result.revise
+        }
+        revised = self._exchange.revise(contributions)
+        return ExchangeResult(
+            factors={**result.factors, **revised.factors},
+            flagged_ranks=revised.flagged_ranks,
+            finite=revised.finite,
+        )
+
+    def _raise_expected(self) -> None:
+        """A slot called more often than expected is expected that often from now on."""
+        if self._expected is None:
+            return
+        for key, pending in self._pending.items():
+            if pending.calls > self._expected.get(key, 0):
+                self._expected[key] = pending.calls
+
     def clear(self) -> None:
         """Drop what was captured since the last factor update."""
+        self._raise_expected()
+        self._grown.clear()
         self._end_queued = False
         for pending in self._pending.values():
             pending.clear()
