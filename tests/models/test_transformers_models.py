@@ -207,24 +207,7 @@ def test_hf_gradient_checkpointing_gives_the_same_factors(kind: str, reentrant: 
             torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize(
-    ("kind", "reentrant"),
-    [
-        pytest.param(
-            kind,
-            reentrant,
-            marks=()
-            if reentrant
-            else pytest.mark.xfail(
-                strict=True,
-                reason="issue 39 item 3 (another change): a non-reentrant checkpointed "
-                "region's last layer (GPT-2 mlp.c_proj, LLaMA mlp.down_proj) captures its "
-                "input twice; the factors are the same, the cost is not",
-            ),
-        )
-        for kind, reentrant in CHECKPOINTING
-    ],
-)
+@pytest.mark.parametrize(("kind", "reentrant"), CHECKPOINTING)
 def test_hf_gradient_checkpointing_captures_each_call_once(
     kind: str, reentrant: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
