@@ -111,7 +111,7 @@ class KFACPreconditioner:
         )
         self._blocks = discover_agreed_blocks(self._communicator, self._model, self.config)
         self._rates = LearningRates(optimizer, self._blocks, self.config)
-        self._guard = GradientGuard([block.module for block in self._blocks])
+        self._guard = GradientGuard(self._blocks)
         self._warned_empty = False
         self._counters = Counters()
         self._state = StateKeeper(self._blocks, self._communicator)
@@ -232,12 +232,13 @@ class KFACPreconditioner:
             were, no factor absorbs the step, and the caller should skip
             ``optimizer.step()``. On factor-update steps the decision is agreed by all
             ranks; otherwise it is local (identical when gradients are all-reduced).
+
+        Raises:
+            ValueError: A registered layer's parameters were replaced since construction
+                (e.g. ``fully_shard`` applied afterwards).
+            RuntimeError: Called again without a new backward pass.
         """
-        if self._guard.unchanged():
-            raise RuntimeError(
-                "spdkfac: step() called again without a new backward pass: the gradients "
-                "are already preconditioned (call step() once per optimizer step)"
-            )
+        self._guard.check()
         with self.profiler.span(span_name(Phase.STEP)):
             step = self._counters.step
             self._counters.step += 1
