@@ -113,9 +113,10 @@ def train(
     make_optimizer: Callable[[Sequence[Tensor]], torch.optim.Optimizer],
     part: tuple[int, int],
     **options: Any,
-) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """The preconditioned gradients of the first step and the parameters after ``steps``
-    steps of ``part`` of each global batch; ``options`` go to the preconditioner."""
+) -> tuple[dict[str, Tensor], dict[str, Tensor], list[str]]:
+    """The preconditioned gradients of the first step, the parameters after ``steps``
+    steps of ``part`` of each global batch, and the layers whose inverses this rank
+    holds; ``options`` go to the preconditioner."""
     optimizer = make_optimizer(list(model.parameters()))
     precond = KFACPreconditioner(model, optimizer=optimizer, **options)
     first: dict[str, Tensor] = {}
@@ -126,7 +127,8 @@ def train(
         if step == 0:
             first = full_grads(model)
         optimizer.step()
-    return first, full_params(model)
+    held = [name for name in precond.layers if precond.inverses(name)[0] is not None]
+    return first, full_params(model), held
 
 
 def global_part(kind: str, rank: int, world_size: int) -> tuple[int, int]:

@@ -1,6 +1,6 @@
-"""K-FAC on FSDP2 (``fully_shard``, gloo, 2 ranks): every strategy equals single-process
-float64 K-FAC on the global batch, for Linear + Conv2d and the GPT, resharding after
-forward or not, over several steps with stale factors and inverses."""
+"""K-FAC on FSDP2 (``fully_shard``, gloo, 2 ranks): d-kfac, spd-kfac and osawa equal
+single-process float64 K-FAC on the global batch, for Linear + Conv2d and the GPT,
+resharding after forward or not, over several steps with stale factors and inverses."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import Tensor
 from distributed_helper import run_distributed
 from fsdp_cases import conv_net, global_part, gpt, shard, train
 
-STRATEGIES = ("d-kfac", "spd-kfac")
+STRATEGIES = ("d-kfac", "spd-kfac", "osawa")
 #: Stale refreshes: factors every step, inverses every 2 (the KL clip active).
 OPTIONS: dict[str, Any] = {
     "damping": 0.05,
@@ -62,7 +62,7 @@ def _fsdp_worker(rank: int, world_size: int, kind: str, optimizer: str) -> dict[
 
 
 def _reference(kind: str, optimizer: str) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    return train(
+    grads, params, _ = train(
         _MODELS[kind](),
         kind,
         STEPS,
@@ -71,15 +71,22 @@ def _reference(kind: str, optimizer: str) -> tuple[dict[str, Tensor], dict[str, 
         skip_layers=_SKIP[kind],
         **OPTIONS,
     )
+    return grads, params
 
 
 @pytest.mark.parametrize(("kind", "optimizer"), [("conv", "sgd"), ("gpt", "adamw")])
 def test_fsdp2_matches_single_process_kfac(kind: str, optimizer: str) -> None:
-    results = run_distributed(_fsdp_worker, 2, kind, optimizer, timeout=180)
+    results = run_distributed(_fsdp_worker, 2, kind, optimizer, timeout=240)
     grads, params = _reference(kind, optimizer)
     assert grads and params
+    for reshard in (True, False):
+        # Owner-computes: each layer's inverses live on its owner only (about 1/P each).
+        held = [set(out[f"osawa/{reshard}"][2]) for out in results]
+        everything = set(results[0][f"d-kfac/{reshard}"][2])
+        assert held[0] and held[1] and not held[0] & held[1]
+        assert held[0] | held[1] == everything
     for rank, out in enumerate(results):
-        for key, (first, final) in out.items():
+        for key, (first, final, _) in out.items():
             assert set(first) == set(grads) and set(final) == set(params)
             for name, expected in grads.items():
                 torch.testing.assert_close(

@@ -12,6 +12,7 @@ that reads ``torch.distributed`` (DTensor, device meshes, FSDP classes).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +23,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spdkfac.comm.base import Communicator
 from spdkfac.comm.distributed import TorchDistributedCommunicator
+from spdkfac.comm.owners import EVERYONE
 
 __all__ = [
     "SUPPORTED_SHARDING",
+    "GatheredGradients",
     "ShardedGradients",
     "check_sharding",
     "is_fully_sharded",
@@ -139,6 +142,43 @@ class ShardedGradients:
         chunk = -(-rows // communicator.world_size)
         return _Shard(communicator, rows, chunk, begin, end)
 
+    def gather_to_owners(
+        self, communicator: Communicator, params: Sequence[Tensor], owners: Sequence[int]
+    ) -> GatheredGradients:
+        """Each owned parameter's full gradient at its owner only (a collective over
+        ``communicator``, whose ranks own the parameters): every rank puts its rows in
+        place in a zero tensor of the full shape, one reduce-scatter sums them at the
+        owners (exact: each element is one rank's value plus zeros; under HSDP only the
+        first replica contributes). Parameters of ``EVERYONE`` and those without a
+        gradient are left to :meth:`read`.
+        """
+        pieces: list[list[Tensor]] = [[] for _ in range(communicator.world_size)]
+        entries: list[tuple[int, Tensor]] = []
+        for param, owner in zip(params, owners, strict=True):
+            grad = param.grad
+            if owner == EVERYONE or not isinstance(grad, DTensor):
+                continue
+            full = torch.zeros(grad.shape, dtype=grad.dtype, device=communicator.device)
+            if _first_replica(grad.device_mesh):
+                shard = self._shard(grad)
+                full[shard.begin : shard.end].copy_(grad.to_local())
+            pieces[owner].append(full)
+            entries.append((owner, param))
+        gathered: dict[int, Tensor] = {}
+        if entries:
+            chunks = [
+                torch.cat([p.reshape(-1) for p in group]) if group else _empty(communicator)
+                for group in pieces
+            ]
+            flat = communicator.reduce_scatter(chunks).wait()
+            offset = 0
+            for owner, param in entries:
+                if owner == communicator.rank:
+                    size = param.numel()
+                    gathered[id(param)] = flat[offset : offset + size].view(param.shape)
+                    offset += size
+        return GatheredGradients(self, gathered)
+
     def read(self, param: Tensor) -> Tensor | None:
         grad = param.grad
         if not isinstance(grad, DTensor):
@@ -160,3 +200,29 @@ class ShardedGradients:
             return
         shard = self._shard(grad)
         grad.to_local().copy_(value[shard.begin : shard.end])
+
+
+def _first_replica(mesh: Any) -> bool:
+    """Whether this rank is in the first replica of an HSDP mesh (always on a 1-D mesh)."""
+    return bool(mesh.ndim == 1 or mesh.get_local_rank(0) == 0)
+
+
+def _empty(communicator: Communicator) -> Tensor:
+    return torch.zeros(0, device=communicator.device)
+
+
+class GatheredGradients:
+    """Full gradients an owner gathered (:meth:`ShardedGradients.gather_to_owners`), read
+    without a collective; other parameters read, and every write, through the sharded
+    access."""
+
+    def __init__(self, sharded: ShardedGradients, gathered: Mapping[int, Tensor]) -> None:
+        self._sharded = sharded
+        self._gathered = gathered
+
+    def read(self, param: Tensor) -> Tensor | None:
+        found = self._gathered.get(id(param))
+        return found if found is not None else self._sharded.read(param)
+
+    def write(self, param: Tensor, value: Tensor) -> None:
+        self._sharded.write(param, value)

@@ -66,7 +66,7 @@ def write_gradient_matrix(
     gradients (the bias only where it has one)."""
     weight = module.weight
     assert isinstance(weight, Tensor)
-    columns = weight[0].numel()
+    columns = weight.shape[1:].numel()  # not weight[0]: a collective on a DTensor
     access.write(weight, matrix[:, :columns].reshape(weight.shape))
     bias = getattr(module, "bias", None)
     if isinstance(bias, Tensor) and access.read(bias) is not None:

@@ -5,8 +5,11 @@ mesh's shard dimension) and writes back this rank's rows."""
 
 from __future__ import annotations
 
-from torch import nn
+from collections.abc import Sequence
 
+from torch import Tensor, nn
+
+from spdkfac.comm import Communicator
 from spdkfac.comm.sharded import ShardedGradients, check_sharding
 from spdkfac.layers import GradientAccess
 from spdkfac.layout.base import GradientHook
@@ -32,7 +35,8 @@ class FullyShardedLayout:
     def __init__(self, model: nn.Module) -> None:
         check_sharding(model)
         self.module = model
-        self.gradients: GradientAccess = ShardedGradients()
+        self._sharded = ShardedGradients()
+        self.gradients: GradientAccess = self._sharded
 
     def route_gradients(self, hook: GradientHook) -> None:
         raise ValueError(
@@ -40,6 +44,11 @@ class FullyShardedLayout:
             "communication hook (strategies that take over DDP's buckets read the reduced "
             "shards instead)"
         )
+
+    def owner_gradients(
+        self, communicator: Communicator, params: Sequence[Tensor], owners: Sequence[int]
+    ) -> GradientAccess:
+        return self._sharded.gather_to_owners(communicator, params, owners)
 
     def clip_sum(self, partial: float) -> float:
         return partial
