@@ -103,7 +103,8 @@ def _loss(model: nn.Module, kind: str, step: int, part: tuple[int, int]) -> Tens
         logits = model(inputs[begin:end])
         return F.cross_entropy(logits.reshape(-1, 11), targets[begin:end].reshape(-1))
     images, labels = batch(step)
-    return F.cross_entropy(model(images[begin:end]), labels[begin:end])
+    dtype = next(model.parameters()).dtype  # float32 models (mixed precision) too
+    return F.cross_entropy(model(images[begin:end].to(dtype)), labels[begin:end])
 
 
 def train(
@@ -113,10 +114,10 @@ def train(
     make_optimizer: Callable[[Sequence[Tensor]], torch.optim.Optimizer],
     part: tuple[int, int],
     **options: Any,
-) -> tuple[dict[str, Tensor], dict[str, Tensor], list[str]]:
+) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, torch.dtype]]:
     """The preconditioned gradients of the first step, the parameters after ``steps``
     steps of ``part`` of each global batch, and the layers whose inverses this rank
-    holds; ``options`` go to the preconditioner."""
+    holds (with the inverses' dtype); ``options`` go to the preconditioner."""
     optimizer = make_optimizer(list(model.parameters()))
     precond = KFACPreconditioner(model, optimizer=optimizer, **options)
     first: dict[str, Tensor] = {}
@@ -127,7 +128,8 @@ def train(
         if step == 0:
             first = full_grads(model)
         optimizer.step()
-    held = [name for name in precond.layers if precond.inverses(name)[0] is not None]
+    inverses = {name: precond.inverses(name)[0] for name in precond.layers}
+    held = {name: value.dtype for name, value in inverses.items() if value is not None}
     return first, full_params(model), held
 
 
