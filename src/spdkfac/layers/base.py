@@ -69,7 +69,9 @@ def write_gradient_matrix(
     columns = weight.shape[1:].numel()  # not weight[0]: a collective on a DTensor
     access.write(weight, matrix[:, :columns].reshape(weight.shape))
     bias = getattr(module, "bias", None)
-    if isinstance(bias, Tensor) and access.read(bias) is not None:
+    # Whether the bias has a gradient, from ``.grad`` itself: reading it through
+    # ``access`` would gather a sharded one only to test it for None.
+    if isinstance(bias, Tensor) and bias.grad is not None:
         access.write(bias, matrix[:, columns])
 
 

@@ -183,5 +183,5 @@ def write_norm_gradient(
     weight, bias = module.weight, _bias(module)
     assert isinstance(weight, Tensor)
     access.write(weight, matrix[:, 0].reshape(weight.shape))
-    if bias is not None and access.read(bias) is not None:
+    if bias is not None and bias.grad is not None:  # not access.read: a gather under FSDP2
         access.write(bias, matrix[:, 1].reshape(bias.shape))
