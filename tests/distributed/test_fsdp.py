@@ -4,15 +4,20 @@ resharding after forward or not, over several steps with stale factors and inver
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from distributed_helper import run_distributed
-from fsdp_cases import conv_net, global_part, gpt, shard, train
+from fsdp_cases import conv_net, full_params, global_part, gpt, shard, train
+from parallel_cases import batch
+from spdkfac import KFACPreconditioner
 
 STRATEGIES = ("d-kfac", "spd-kfac", "osawa")
 #: Stale refreshes: factors every step, inverses every 2 (the KL clip active).
@@ -96,3 +101,48 @@ def test_fsdp2_matches_single_process_kfac(kind: str, optimizer: str) -> None:
                 torch.testing.assert_close(
                     final[name], expected, rtol=1e-8, atol=1e-10, msg=f"{key} {name} {rank}"
                 )
+
+
+def _accumulated(model: nn.Module, strategy: str, rank: int, world_size: int) -> dict[str, Tensor]:
+    """Three steps of two accumulated micro-batches each; the first without gradient sync
+    (FSDP2's ``set_requires_gradient_sync(False)``, DDP's ``no_sync()``)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    precond = KFACPreconditioner(model, strategy=strategy, accumulation_steps=2, **OPTIONS)
+    begin, end = global_part("conv", rank, world_size)
+    for step in range(3):
+        optimizer.zero_grad()
+        inputs, targets = batch(step)
+        for micro, (low, high) in enumerate(((begin, begin + 3), (begin + 3, end))):
+            last = micro == 1
+            if isinstance(model, DistributedDataParallel):
+                context = contextlib.nullcontext() if last else model.no_sync()
+            else:
+                model.set_requires_gradient_sync(last)  # type: ignore[operator]
+                context = contextlib.nullcontext()
+            with context:
+                loss = F.cross_entropy(model(inputs[low:high]), targets[low:high])
+                (loss / 2).backward()
+        assert precond.step()
+        optimizer.step()
+    return full_params(model.module if isinstance(model, DistributedDataParallel) else model)
+
+
+def _accumulation_worker(rank: int, world_size: int) -> dict[str, dict[str, Tensor]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for strategy in ("d-kfac", "osawa"):
+        out[f"fsdp/{strategy}"] = _accumulated(shard(conv_net(), mesh), strategy, rank, world_size)
+        ddp = DistributedDataParallel(conv_net())
+        out[f"ddp/{strategy}"] = _accumulated(ddp, strategy, rank, world_size)
+    return out
+
+
+def test_gradient_accumulation_under_fsdp2_matches_ddp() -> None:
+    for out in run_distributed(_accumulation_worker, 2, timeout=180):
+        for strategy in ("d-kfac", "osawa"):
+            fsdp, ddp = out[f"fsdp/{strategy}"], out[f"ddp/{strategy}"]
+            assert set(fsdp) == set(ddp)
+            for name, expected in ddp.items():
+                torch.testing.assert_close(fsdp[name], expected, rtol=1e-9, atol=1e-12)
