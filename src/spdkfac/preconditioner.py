@@ -91,17 +91,9 @@ class KFACPreconditioner:
         profile: bool = False,
         **options: Any,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        check_runtime_arguments(
-            grad_scaler=grad_scaler, optimizer=optimizer, profile=profile, cost_model=cost_model
-        )
+        check_runtime_arguments(model, grad_scaler, optimizer, profile, cost_model)
         self.config = resolve_config(config, options)
-        self._communicator: Communicator = (
-            process_group
-            if isinstance(process_group, Communicator)
-            else make_communicator(process_group)
-        )
+        self._communicator: Communicator = make_communicator(process_group)
         layout = layout_of(model)
         self._model = layout.module
         self._claim = ModelClaim(self._model, f"the KFACPreconditioner at {id(self):#x}")
@@ -113,7 +105,7 @@ class KFACPreconditioner:
         )
         self._blocks = discover_agreed_blocks(self._communicator, self._model, self.config)
         self._rates = LearningRates(optimizer, self._blocks, self.config)
-        self._guard = GradientGuard([block.module for block in self._blocks])
+        self._guard = GradientGuard(self._blocks)
         self._warned_empty = False
         self._counters = Counters()
         self._state = StateKeeper(self._blocks, self._communicator)
@@ -235,6 +227,11 @@ class KFACPreconditioner:
             were, no factor absorbs the step, and the caller should skip
             ``optimizer.step()``. On factor-update steps the decision is agreed by all
             ranks; otherwise it is local (identical when gradients are all-reduced).
+
+        Raises:
+            ValueError: A registered layer's parameters were replaced since construction
+                (e.g. ``fully_shard`` applied afterwards).
+            RuntimeError: Called again without a new backward pass.
         """
         self._guard.check()
         with self.profiler.span(span_name(Phase.STEP)):

@@ -220,7 +220,10 @@ def is_distributed() -> bool:
 
 
 def make_communicator(process_group: Any = None) -> Communicator:
-    """The communicator for ``process_group``: local when not distributed and none is given."""
+    """The communicator for ``process_group`` (a ``Communicator`` is returned as it is):
+    local when not distributed and none is given."""
+    if isinstance(process_group, Communicator):
+        return process_group
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return LocalCommunicator()
     return TorchDistributedCommunicator(process_group)

@@ -110,14 +110,17 @@ def discover_agreed_blocks(
 
 
 def check_runtime_arguments(
-    *, grad_scaler: object, optimizer: object, profile: object, cost_model: object
+    model: object, grad_scaler: object, optimizer: object, profile: object, cost_model: object
 ) -> None:
     """Validate the preconditioner's arguments that are not options.
 
     Raises:
         ValueError: A wrong type for ``grad_scaler``, ``optimizer`` or ``profile``.
-        TypeError: A ``cost_model`` that is neither a ``CostModel``, a path nor None.
+        TypeError: A ``model`` that is not an ``nn.Module``, or a ``cost_model`` that is
+            neither a ``CostModel``, a path nor None.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise ValueError(f"grad_scaler must be a torch.amp.GradScaler or None, got {grad_scaler!r}")
     if not isinstance(profile, bool):

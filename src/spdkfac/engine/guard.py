@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from torch import Tensor, nn
 
+from spdkfac.comm.dtensors import local_part
 from spdkfac.curvature import CurvatureBlock
 
 __all__ = ["GradientGuard", "ModelClaim", "warn_uncaptured"]
@@ -76,7 +77,9 @@ def warn_uncaptured(blocks: Sequence[CurvatureBlock]) -> None:
 
 
 def _signature(tensor: Tensor | None) -> tuple[int, int] | None:
-    return None if tensor is None else (id(tensor), tensor._version)
+    # A DTensor's own version counter stays put when its local shard is written.
+    local = local_part(tensor)
+    return None if local is None else (id(local), local._version)
 
 
 class GradientGuard:
@@ -89,22 +92,40 @@ class GradientGuard:
     new backward, which would precondition the preconditioned gradient again.
     """
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
-        self._weights = [m.weight for m in modules if isinstance(m.weight, Tensor)]
+    def __init__(self, blocks: Sequence[CurvatureBlock]) -> None:
+        self._modules: list[tuple[str, nn.Module]] = []
+        self._weights: list[Tensor] = []
+        for block in blocks:
+            if isinstance(weight := block.module.weight, Tensor):
+                self._modules.append((block.name, block.module))
+                self._weights.append(weight)
         self._recorded: list[tuple[int, int] | None] | None = None
         self.removed = False
 
     def check(self) -> None:
-        """Refuse a ``step()`` after ``remove()`` or without a new backward pass.
+        """Refuse a step the preconditioner cannot take: after ``remove()``, with
+        parameters replaced since it was built (a model ``fully_shard``-ed or wrapped
+        afterwards), or the same gradients preconditioned twice.
 
         Raises:
-            RuntimeError: Either case, saying which.
+            ValueError: A registered layer's weight is another tensor than at construction
+                (every rank sees the same, before any collective).
+            RuntimeError: After ``remove()``, or :meth:`unchanged`.
         """
         if self.removed:
             raise RuntimeError(
                 "spdkfac: step() after remove(): the hooks are gone and the inverses are "
                 "stale; build a new KFACPreconditioner to precondition again"
             )
+        for (name, module), weight in zip(self._modules, self._weights, strict=True):
+            if module.weight is not weight:
+                raise ValueError(
+                    f"model: the weight of layer {name!r} was replaced after "
+                    "KFACPreconditioner(model) was built (fully_shard or another wrapper "
+                    "applied afterwards?); shard or wrap the model first (supported: plain, "
+                    "DistributedDataParallel, FSDP2 fully_shard / HSDP), then build the "
+                    "preconditioner"
+                )
         if self.unchanged():
             raise RuntimeError(
                 "spdkfac: step() called again without a new backward pass: the gradients "

@@ -97,10 +97,12 @@ class OwnerStage:
             if self.owner_of[name] != EVERYONE
         }
         self._param_owner = param_owner
-        self.reduces_in_step = not parts.layout.routes_gradients or communicator.world_size == 1
+        routed = parts.layout.routes_gradients and communicator.world_size > 1
+        # A wrapper that averages gradients itself (FSDP2; DDP on one rank) needs nothing.
+        self.reduces_in_step = not routed and not parts.layout.reduces_gradients
         #: Launch times of the routed buckets (None when gradients reduce at the step).
         self.launches: BucketLaunches | None = None
-        if not self.reduces_in_step:
+        if routed:
             hooks = inputs.hooks
             assert hooks is not None, "a routed layout needs the assembler's routing hook"
             self.launches = hooks.launches
@@ -125,8 +127,10 @@ class OwnerStage:
         if self.reduces_in_step and self._communicator.world_size > 1:
             with self._profiler.span(span_name(Phase.GRAD_COMM, "reduce_scatter")):
                 self._reduce_in_step()
+        owners = [self._param_owner.get(id(p), EVERYONE) for p in self._parameters]
+        access = self._layout.owner_gradients(self._communicator, self._parameters, owners)
         mine = (b for b in self._blocks if self._mine(b))
-        gradients = block_gradients(mine, self._layout.gradients)
+        gradients = block_gradients(mine, access)
         return gradients, all_finite(list(gradients.values()))
 
     def _reduce_in_step(self) -> None:

@@ -79,12 +79,14 @@ def write_gradient_matrix(
     gradients (the bias only where it has one, ``bias`` is True and it has a gradient)."""
     weight = module.weight
     assert isinstance(weight, Tensor)
-    columns = weight[0].numel()
+    columns = weight.shape[1:].numel()  # not weight[0]: a collective on a DTensor
     access.write(weight, matrix[:, :columns].reshape(weight.shape))
     parameter = getattr(module, "bias", None)
     if not bias or matrix.shape[1] <= columns or not isinstance(parameter, Tensor):
         return
-    if access.read(parameter) is not None:
+    # Whether the bias has a gradient, from ``.grad`` itself: reading it through
+    # ``access`` would gather a sharded one only to test it for None.
+    if parameter.grad is not None:
         access.write(parameter, matrix[:, columns])
 
 

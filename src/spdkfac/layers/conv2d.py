@@ -187,7 +187,8 @@ class Conv2dLayer(KFACLayer):
         """Inputs per output unit (one group's), plus 1 with a bias."""
         weight = module.weight
         assert isinstance(weight, Tensor)
-        return weight[0].numel() + int(self.has_bias(module))
+        # From the shape: indexing a sharded (DTensor) weight would be a collective.
+        return weight.shape[1:].numel() + int(self.has_bias(module))
 
     def g_dim(self, module: nn.Module) -> int:
         """Output channels (of all groups)."""

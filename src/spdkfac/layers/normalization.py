@@ -192,5 +192,6 @@ def write_norm_gradient(
     weight, bias = module.weight, _bias(module)
     assert isinstance(weight, Tensor)
     access.write(weight, matrix[:, 0].reshape(weight.shape))
-    if shift and bias is not None and access.read(bias) is not None:
+    # Whether the bias has a gradient, from ``.grad``: not access.read, a gather under FSDP2.
+    if shift and bias is not None and bias.grad is not None:
         access.write(bias, matrix[:, 1].reshape(bias.shape))

@@ -11,11 +11,12 @@ gradient reduction can be routed through a communication hook of the preconditio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from torch import nn
+from torch import Tensor, nn
 
+from spdkfac.comm import Communicator
 from spdkfac.layers import GradientAccess
 
 __all__ = ["GradientHook", "ParameterLayout", "unwrap_compiled"]
@@ -28,11 +29,11 @@ class ParameterLayout(Protocol):
     """Where a model's parameters and gradients live (module docstring).
 
     Attributes:
-        name: ``"plain"`` or ``"ddp"`` (reports and error messages).
+        name: ``"plain"``, ``"ddp"`` or ``"fsdp"`` (reports and error messages).
         module: The user's module, inside every wrapper.
         gradients: How each parameter's full gradient is read and written.
         reduces_gradients: The wrapper averages gradients over the group during
-            backward (DDP): the preconditioner must not reduce them again.
+            backward (DDP, FSDP2): the preconditioner must not reduce them again.
     """
 
     name: str
@@ -51,6 +52,15 @@ class ParameterLayout(Protocol):
         Raises:
             ValueError: The wrapper cannot take the hook (it has one already).
         """
+        ...
+
+    def owner_gradients(
+        self, communicator: Communicator, params: Sequence[Tensor], owners: Sequence[int]
+    ) -> GradientAccess:
+        """The access an owner-computes stage reads its layers' averaged gradients through:
+        :attr:`gradients` where every rank holds whole gradients; under FSDP2 each owner's
+        gathered ones (a collective over ``communicator``, on every rank, with the same
+        ``params`` and ``owners``, ``EVERYONE`` for parameters every rank reads)."""
         ...
 
     def clip_sum(self, partial: float) -> float:

@@ -4,9 +4,12 @@ can take over."""
 
 from __future__ import annotations
 
-from torch import nn
+from collections.abc import Sequence
+
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from spdkfac.comm import Communicator
 from spdkfac.layers import LOCAL_GRADIENTS, GradientAccess
 from spdkfac.layout.base import GradientHook, unwrap_compiled
 
@@ -40,6 +43,11 @@ class DataParallelLayout:
                 "its own communication hook, and this DistributedDataParallel model cannot "
                 f"take it ({error})"
             ) from error
+
+    def owner_gradients(
+        self, communicator: Communicator, params: Sequence[Tensor], owners: Sequence[int]
+    ) -> GradientAccess:
+        return self.gradients
 
     def clip_sum(self, partial: float) -> float:
         return partial

@@ -3,8 +3,11 @@ during backward (the caller may average them; the preconditioner's stages cope e
 
 from __future__ import annotations
 
-from torch import nn
+from collections.abc import Sequence
 
+from torch import Tensor, nn
+
+from spdkfac.comm import Communicator
 from spdkfac.layers import LOCAL_GRADIENTS, GradientAccess
 from spdkfac.layout.base import GradientHook, unwrap_compiled
 
@@ -28,6 +31,11 @@ class PlainLayout:
 
     def route_gradients(self, hook: GradientHook) -> None:
         raise ValueError("a plain module has no gradient reduction to route")
+
+    def owner_gradients(
+        self, communicator: Communicator, params: Sequence[Tensor], owners: Sequence[int]
+    ) -> GradientAccess:
+        return self.gradients
 
     def clip_sum(self, partial: float) -> float:
         return partial

@@ -44,7 +44,7 @@ def _gemm_side(name: str, args: Sequence[Any]) -> int:
     tensors = _tensors(list(args))
     if name in _WEIGHT_GEMMS and len(tensors) >= 2:
         weight = tensors[1] if name != "convolution_backward" else tensors[2]
-        return int(min(weight.shape[0], weight[0].numel()))
+        return int(min(weight.shape[0], weight.shape[1:].numel()))
     if name in ("mm", "addmm") and len(tensors) >= 2:
         first, second = tensors[-2], tensors[-1]
         return int(min(first.shape[0], first.shape[1], second.shape[1]))
