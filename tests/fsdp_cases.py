@@ -139,3 +139,22 @@ def global_part(kind: str, rank: int, world_size: int) -> tuple[int, int]:
         per_rank = 4 // world_size
         return rank * per_rank, (rank + 1) * per_rank
     return bounds(rank, world_size)
+
+
+def assert_matches(
+    first: dict[str, Tensor],
+    final: dict[str, Tensor],
+    reference: tuple[dict[str, Tensor], dict[str, Tensor]],
+    label: str,
+) -> None:
+    """A sharded run's first preconditioned gradients and final parameters equal the
+    single-process reference's (float64 tolerances)."""
+    grads, params = reference
+    for name, expected in grads.items():
+        torch.testing.assert_close(
+            first[name], expected, rtol=1e-9, atol=1e-12, msg=f"{label} {name}"
+        )
+    for name, expected in params.items():
+        torch.testing.assert_close(
+            final[name], expected, rtol=1e-8, atol=1e-10, msg=f"{label} {name}"
+        )

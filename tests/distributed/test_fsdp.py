@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed_helper import run_distributed
-from fsdp_cases import conv_net, full_params, global_part, gpt, shard, train
+from fsdp_cases import assert_matches, conv_net, full_params, global_part, gpt, shard, train
 from parallel_cases import batch
 from spdkfac import KFACPreconditioner
 
@@ -93,14 +93,7 @@ def test_fsdp2_matches_single_process_kfac(kind: str, optimizer: str) -> None:
     for rank, out in enumerate(results):
         for key, (first, final, _) in out.items():
             assert set(first) == set(grads) and set(final) == set(params)
-            for name, expected in grads.items():
-                torch.testing.assert_close(
-                    first[name], expected, rtol=1e-9, atol=1e-12, msg=f"{key} {name} {rank}"
-                )
-            for name, expected in params.items():
-                torch.testing.assert_close(
-                    final[name], expected, rtol=1e-8, atol=1e-10, msg=f"{key} {name} {rank}"
-                )
+            assert_matches(first, final, (grads, params), f"{key} rank {rank}")
 
 
 def _accumulated(model: nn.Module, strategy: str, rank: int, world_size: int) -> dict[str, Tensor]:

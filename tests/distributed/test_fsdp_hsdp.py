@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from distributed_helper import run_distributed
-from fsdp_cases import conv_net, full_grads, global_part, shard, train
+from fsdp_cases import assert_matches, conv_net, full_grads, global_part, shard, train
 from parallel_cases import batch
 
 STRATEGIES = ("d-kfac", "spd-kfac", "osawa")
@@ -45,14 +45,7 @@ def test_hsdp_matches_single_process_kfac() -> None:
     for rank, out in enumerate(results):
         for strategy in STRATEGIES:
             first, final, _ = out[strategy]
-            for name, expected in grads.items():
-                torch.testing.assert_close(
-                    first[name], expected, rtol=1e-9, atol=1e-12, msg=f"{strategy} {name} {rank}"
-                )
-            for name, expected in params.items():
-                torch.testing.assert_close(
-                    final[name], expected, rtol=1e-8, atol=1e-10, msg=f"{strategy} {name} {rank}"
-                )
+            assert_matches(first, final, (grads, params), f"{strategy} rank {rank}")
 
 
 def _float_net() -> nn.Module:
