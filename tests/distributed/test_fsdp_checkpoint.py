@@ -175,8 +175,24 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str,
     return root, run_distributed(_save_worker, 2, root, timeout=240)
 
 
+def _files_by_layer(path: str) -> dict[str, set[str]]:
+    """The checkpoint files each layer's tensors were written to (from DCP's metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    files: dict[str, set[str]] = {}
+    for index, info in FileSystemReader(path).read_metadata().storage_data.items():
+        if index.fqn.startswith("kfac.layers."):
+            files.setdefault(index.fqn.split(".")[2], set()).add(info.relative_path)
+    return files
+
+
 def test_osawa_ranks_write_only_the_layers_they_hold(saved: Any) -> None:
-    _, results = saved
+    root, results = saved
+    # Each owner wrote its own layers into its own file; nothing went through rank 0.
+    files = _files_by_layer(os.path.join(root, "osawa"))
+    for rank, out in enumerate(results):
+        for name in out["osawa"]["held"] - results[1 - rank]["osawa"]["held"]:
+            assert files[name] == {f"__{rank}_0.distcp"}, (rank, name, files[name])
     every = set(results[0]["d-kfac"]["saved"]["layers"])
     assert results[0]["d-kfac"]["held"] == results[1]["d-kfac"]["held"] == every
     owned = [out["osawa"]["held"] for out in results]
