@@ -290,18 +290,13 @@ class KFACPreconditioner:
     def state_dict(self, *, inverses: bool = True) -> dict[str, Any]:
         """Factors, inverses and counters, as a dict of copies (safe to ``torch.save``).
 
-        The state dict holds every layer's factors and inverses, so any rank's resumes any
-        world size. With ``strategy="osawa"`` only a layer's owner holds them: then
-        ``state_dict()`` gathers them from the owners and must be called on every rank
-        (a collective). ``inverses=False`` leaves the inverses out (about half the
-        size): loading it recomputes them, with the current damping, at the next step.
+        It holds every layer's factors and inverses (any rank's resumes any world size);
+        with ``strategy="osawa"`` it gathers them from their owners, a collective (for
+        sharded state see :meth:`dcp_state_dict`). ``inverses=False`` leaves the inverses
+        out (about half the size): loading it recomputes them at the next step.
         With ``strategy="auto"`` it records the choice and the world size it was made for.
         """
-        choice = None if self._auto is None else self._auto.choice
-        chosen = None if choice is None else choice.chosen
-        return self._state.save(
-            self._stages, self._counters, self.config, chosen=chosen, inverses=inverses
-        )
+        return self._state.save(self._stages, self._counters, self.config, self._auto, inverses)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned; the layers must match exactly.
@@ -320,6 +315,15 @@ class KFACPreconditioner:
             if self._auto.current.name != self.composition:
                 self._rebuild(self._auto.current)
         self._state.load(state_dict, self._stages, self._counters, self.config)
+
+    def dcp_state_dict(self, *, inverses: bool = True) -> dict[str, Any]:
+        """This rank's state for ``torch.distributed.checkpoint``, also the template a fresh
+        preconditioner loads into (no collective; see docs/distributed.md)."""
+        return self._state.dcp(self._stages, self._counters, self.config, self._auto, inverses)
+
+    def load_dcp_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """:meth:`load_state_dict` of the :meth:`dcp_state_dict` ``dcp.load`` filled."""
+        self.load_state_dict(self._state.from_dcp(state_dict))
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the factors and of the inverses this rank holds (live tensors)."""

@@ -18,6 +18,8 @@ from spdkfac.curvature import (
     without_inverses,
 )
 from spdkfac.engine.assembly import Stages
+from spdkfac.engine.autotune import AutoTuner
+from spdkfac.engine.checkpoint import dcp_state, from_dcp
 
 __all__ = ["STATE_FORMAT", "Counters", "StateKeeper"]
 
@@ -70,18 +72,14 @@ class StateKeeper:
         stages: Stages,
         counters: Counters,
         config: KFACConfig,
-        *,
-        chosen: str | None = None,
+        tuner: AutoTuner | None = None,
         inverses: bool = True,
     ) -> dict[str, Any]:
         """The state dict (see :meth:`~spdkfac.KFACPreconditioner.state_dict`); a
         collective when the final stage's owners hold the state."""
         states = stages.final.gather_state()
-        auto = (
-            {}
-            if chosen is None
-            else {"auto": {"chosen": chosen, "world_size": self._communicator.world_size}}
-        )
+        chosen = self._auto(tuner)
+        auto = {} if chosen is None else {"auto": chosen}
         return {
             "format": STATE_FORMAT,
             "steps": counters.step,
@@ -91,6 +89,31 @@ class StateKeeper:
             **blocks_state_dict(self._blocks, config.norm_mode, inverses=inverses, states=states),
             **auto,
         }
+
+    def dcp(
+        self,
+        stages: Stages,
+        counters: Counters,
+        config: KFACConfig,
+        tuner: AutoTuner | None = None,
+        inverses: bool = True,
+    ) -> dict[str, Any]:
+        """This rank's DCP state (see :mod:`spdkfac.engine.checkpoint`): the blocks the
+        final stage keeps here, no collective; a fresh one is the template to load into."""
+        meta = {
+            "format": STATE_FORMAT,
+            "steps": counters.step,
+            "skipped_steps": counters.skipped,
+            "forward_order": self.seen_layers(stages),
+            "inverse_form": config.inverse_form.kind,
+            "norm_mode": config.norm_mode,
+            "auto": self._auto(tuner),
+        }
+        return dcp_state(self._blocks, stages.final.held(), meta, inverses=inverses)
+
+    def from_dcp(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The ordinary state dict of a DCP state ``dcp.load`` filled (for :meth:`load`)."""
+        return from_dcp(state, self._blocks)
 
     def checked(self, state_dict: Mapping[str, Any], config: KFACConfig) -> Mapping[str, Any]:
         """``state_dict`` as it can be loaded: its inverses dropped when they were saved in
@@ -128,6 +151,14 @@ class StateKeeper:
         stages.collector.forward_order[:] = [
             name for name in state_dict.get("forward_order", []) if name in registered
         ]
+
+    def _auto(self, tuner: AutoTuner | None) -> dict[str, Any] | None:
+        """``strategy="auto"``'s choice and the world size it was made for (None: not
+        auto, or not chosen yet)."""
+        choice = None if tuner is None else tuner.choice
+        if choice is None:
+            return None
+        return {"chosen": choice.chosen, "world_size": self._communicator.world_size}
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the factors and of the inverses this rank holds (live tensors)."""
