@@ -14,6 +14,15 @@ from torch import Tensor, nn
 from parallel_cases import batch, bounds
 from spdkfac import KFACPreconditioner
 
+STRATEGIES = ("d-kfac", "spd-kfac", "osawa")
+#: Stale refreshes: factors every step, inverses every 2 (the KL clip active).
+OPTIONS: dict[str, Any] = {
+    "damping": 0.05,
+    "kl_clip": 1e-2,
+    "factor_update_steps": 1,
+    "inv_update_steps": 2,
+}
+
 __all__ = [
     "ConvNet",
     "full_grads",

@@ -15,18 +15,20 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed_helper import run_distributed
-from fsdp_cases import assert_matches, conv_net, full_params, global_part, gpt, shard, train
+from fsdp_cases import (
+    OPTIONS,
+    STRATEGIES,
+    assert_matches,
+    conv_net,
+    full_params,
+    global_part,
+    gpt,
+    shard,
+    train,
+)
 from parallel_cases import batch
 from spdkfac import KFACPreconditioner
 
-STRATEGIES = ("d-kfac", "spd-kfac", "osawa")
-#: Stale refreshes: factors every step, inverses every 2 (the KL clip active).
-OPTIONS: dict[str, Any] = {
-    "damping": 0.05,
-    "kl_clip": 1e-2,
-    "factor_update_steps": 1,
-    "inv_update_steps": 2,
-}
 STEPS = 4
 #: The GPT's position embedding sees ``arange(T)``, not the batch: its factors on a rank's
 #: share are not a share of the global batch's under DDP either, so it is left out here.

@@ -18,17 +18,19 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from distributed_helper import run_distributed
-from fsdp_cases import conv_net, full_params, global_part, gpt, gpt_batch, shard
+from fsdp_cases import (
+    OPTIONS,
+    STRATEGIES,
+    conv_net,
+    full_params,
+    global_part,
+    gpt,
+    gpt_batch,
+    shard,
+)
 from parallel_cases import batch, bounds
 from spdkfac import KFACPreconditioner
 
-STRATEGIES = ("d-kfac", "spd-kfac", "osawa")
-OPTIONS: dict[str, Any] = {
-    "damping": 0.05,
-    "kl_clip": 1e-2,
-    "factor_update_steps": 1,
-    "inv_update_steps": 2,
-}
 #: Saved at world 2 besides the strategies' ConvNet runs: the GPT (tied head, LayerNorm
 #: blocks in the normalization section) under osawa. Its position embedding sees
 #: ``arange(T)``, not the batch, so it cannot resume at another world size: left out.

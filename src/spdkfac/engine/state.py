@@ -81,13 +81,19 @@ class StateKeeper:
         chosen = self._auto(tuner)
         auto = {} if chosen is None else {"auto": chosen}
         return {
+            **self._header(stages, counters, config),
+            **blocks_state_dict(self._blocks, config.norm_mode, inverses=inverses, states=states),
+            **auto,
+        }
+
+    def _header(self, stages: Stages, counters: Counters, config: KFACConfig) -> dict[str, Any]:
+        """The format, counters, forward order and inverse form every state carries."""
+        return {
             "format": STATE_FORMAT,
             "steps": counters.step,
             "skipped_steps": counters.skipped,
             "forward_order": self.seen_layers(stages),
             "inverse_form": config.inverse_form.kind,
-            **blocks_state_dict(self._blocks, config.norm_mode, inverses=inverses, states=states),
-            **auto,
         }
 
     def dcp(
@@ -101,11 +107,7 @@ class StateKeeper:
         """This rank's DCP state (see :mod:`spdkfac.engine.checkpoint`): the blocks the
         final stage keeps here, no collective; a fresh one is the template to load into."""
         meta = {
-            "format": STATE_FORMAT,
-            "steps": counters.step,
-            "skipped_steps": counters.skipped,
-            "forward_order": self.seen_layers(stages),
-            "inverse_form": config.inverse_form.kind,
+            **self._header(stages, counters, config),
             "norm_mode": config.norm_mode,
             "auto": self._auto(tuner),
         }
