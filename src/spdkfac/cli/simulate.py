@@ -26,6 +26,7 @@ from spdkfac.sim import (
     MeasuredCompute,
     ProfiledCompute,
     SimulationRun,
+    StrategyResult,
     Workload,
     markdown_report,
     model_by_name,
@@ -38,6 +39,7 @@ from spdkfac.sim import (
     trace_workload,
     write_trace,
 )
+from spdkfac.sim.fsdp import LAYOUTS, fsdp_result, fsdp_table
 from spdkfac.sim.paper import PAPER_TABLE_III
 from spdkfac.strategies import AUTO_CANDIDATES
 from spdkfac.support.paths import output_file_problem
@@ -198,6 +200,14 @@ def add_parser(verbs: Any) -> None:
     )
     add("--factor-update-steps", type=positive_int, default=1, help="factor refresh interval")
     add("--inv-update-steps", type=positive_int, default=1, help="inverse refresh interval")
+    add(
+        "--layout",
+        choices=LAYOUTS,
+        default="ddp",
+        help="ddp (default) or fsdp: also project every strategy under FSDP2 (per-unit "
+        "parameter all-gathers and gradient reduce-scatters in place of the all-reduce, "
+        "K-FAC's step-time gradient gathers; spdkfac.sim.fsdp), a table after the report",
+    )
     add("--json", action="store_true", help="print one JSON object keyed by strategy")
     add("--trace", default=None, metavar="PATH", help="Chrome trace of the first run (ranks 0-7)")
     add("--out", default=None, metavar="PATH", help="also write the markdown report here")
@@ -294,6 +304,38 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise _VerbError(f"{flag} {path}: {problem}", 2)
 
 
+def _notes(args: argparse.Namespace, hardware: Hardware) -> list[str]:
+    """The report's notes: the command, the preset and the options that change results."""
+    notes = [
+        f"command: `spdkfac simulate {' '.join(sys.argv[2:])}`"
+        if sys.argv[1:2] == ["simulate"]
+        else "command: spdkfac simulate",
+        f"preset: {hardware.description}; overlap {hardware.overlap:g}"
+        + ("; one collective queue" if hardware.single_queue else ""),
+        f"factor/inverse update steps: {args.factor_update_steps}/{args.inv_update_steps}",
+    ]
+    if args.comm_scheduler != ("fifo",):
+        notes.append(f"comm schedulers: {', '.join(args.comm_scheduler)}")
+    if args.inverse_method != KFACConfig.inverse_method:
+        notes.append(f"inverse method: {args.inverse_method}")
+    if args.layout != "ddp":
+        notes.append(f"layout: {args.layout} (FSDP2 tables after the report)")
+    return notes
+
+
+def _fsdp_sections(runs: list[tuple[Workload, Hardware, dict[str, StrategyResult]]]) -> str:
+    """Markdown sections of every run's strategies under FSDP2 (``--layout fsdp``)."""
+    parts: list[str] = []
+    for workload, hardware, results in runs:
+        try:
+            rows = [(label, fsdp_result(ddp, workload, hardware)) for label, ddp in results.items()]
+        except ValueError as error:
+            raise _VerbError(error, 2) from None
+        world = next(iter(results.values())).world_size
+        parts.append(f"\n\n## FSDP2: {workload.model}, {world} workers\n\n{fsdp_table(rows)}")
+    return "".join(parts)
+
+
 def _run(args: argparse.Namespace) -> int:
     _check_outputs(args)
     hardware = _hardware(args)
@@ -303,6 +345,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.profiled is not None:
         profiled = _input_file(args.profiled, "--profiled", ProfiledCompute.load)
     runs: list[SimulationRun] = []
+    fsdp: list[tuple[Workload, Hardware, dict[str, StrategyResult]]] = []
     for model in args.model:
         workload, batch = _workload(args, model)
         model_hardware = hardware
@@ -330,19 +373,10 @@ def _run(args: argparse.Namespace) -> int:
                 for scheduler in args.comm_scheduler
             }
             runs.append(SimulationRun(workload.model, batch, workers, hardware.name, results))
-    notes = [
-        f"command: `spdkfac simulate {' '.join(sys.argv[2:])}`"
-        if sys.argv[1:2] == ["simulate"]
-        else "command: spdkfac simulate",
-        f"preset: {hardware.description}; overlap {hardware.overlap:g}"
-        + ("; one collective queue" if hardware.single_queue else ""),
-        f"factor/inverse update steps: {args.factor_update_steps}/{args.inv_update_steps}",
-    ]
-    if args.comm_scheduler != ("fifo",):
-        notes.append(f"comm schedulers: {', '.join(args.comm_scheduler)}")
-    if args.inverse_method != KFACConfig.inverse_method:
-        notes.append(f"inverse method: {args.inverse_method}")
-    report = markdown_report(runs, title="spdkfac simulate", notes=notes)
+            fsdp.append((workload, model_hardware, results))
+    report = markdown_report(runs, title="spdkfac simulate", notes=_notes(args, hardware))
+    if args.layout == "fsdp":
+        report += _fsdp_sections(fsdp)
     if args.out is not None:
         Path(args.out).write_text(report + "\n")
     if args.trace is not None:
