@@ -117,6 +117,9 @@ _HELP: dict[str, str] = {
     "--out-dir holding another run is refused",
     "target_accuracy": "test accuracy whose time-to-reach (at the first evaluation reaching "
     "it) is reported (image datasets)",
+    "fsdp": "shard the model with FSDP2 (fully_shard of its blocks, or of each child with "
+    "parameters, and of the root, on a 1-D mesh over the world) instead of DDP; no "
+    "checkpoints (not with --checkpoint-every, --resume, --weight-rescaling, muon, soap)",
     "tensorboard": "write TensorBoard logs when the tensorboard package is installed",
 }
 
