@@ -28,9 +28,9 @@ def here(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_rng_state(generator)
 
 
-def _two_ranks(*args: str) -> subprocess.CompletedProcess[str]:
+def _ranks(world_size: int, *args: str) -> subprocess.CompletedProcess[str]:
     results = run_distributed(
-        spdkfac_on_rank, 2, ["train", *args], timeout=240, env={"OMP_NUM_THREADS": "1"}
+        spdkfac_on_rank, world_size, ["train", *args], timeout=240, env={"OMP_NUM_THREADS": "1"}
     )
     assert len({code for code, _, _ in results}) == 1, results
     return subprocess.CompletedProcess(args, *results[0])
@@ -43,7 +43,12 @@ def _rows(out: Path) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize(
     ("model", "optimizer", "extra"),
-    [("cnn", "kfac", []), ("cnn", "sgd", []), ("resnet20", "kfac", ["--batchnorm", "unit-wise"])],
+    [
+        ("cnn", "kfac", []),
+        ("cnn", "kfac", ["--strategy", "osawa"]),
+        ("cnn", "sgd", []),
+        ("resnet20", "kfac", ["--batchnorm", "unit-wise"]),
+    ],
 )
 def test_two_rank_fsdp_trains_as_ddp(
     tiny_fashion_mnist: Path, tmp_path: Path, model: str, optimizer: str, extra: list[str]
@@ -55,9 +60,9 @@ def test_two_rank_fsdp_trains_as_ddp(
               "--optimizer", optimizer, "--lr", "0.05", "--damping", "0.3",
               "--inv-update-steps", "2", "--no-tensorboard"]  # fmt: skip
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
-    first = _two_ranks(*common, "--out-dir", str(ddp))
+    first = _ranks(2, *common, "--out-dir", str(ddp))
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _two_ranks(*common, "--out-dir", str(fsdp), "--fsdp")
+    second = _ranks(2, *common, "--out-dir", str(fsdp), "--fsdp")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "FSDP2" in second.stdout
     assert not (fsdp / "checkpoints").exists()  # --fsdp writes no checkpoints (yet)
@@ -70,15 +75,42 @@ def test_two_rank_fsdp_trains_as_ddp(
     assert summary["replicas_identical"]
 
 
+def test_four_rank_hsdp_trains_as_ddp(tiny_fashion_mnist: Path, tmp_path: Path) -> None:
+    """HSDP 2 x 2 (2 replicas of 2 shards) at world 4: every step's loss as under DDP."""
+    common = ["--data", str(tiny_fashion_mnist), "--model", "cnn", "--epochs", "1",
+              "--batch-size", "16", "--max-steps", "3", "--eval-every", "1",
+              "--damping", "0.3", "--inv-update-steps", "2", "--no-tensorboard"]  # fmt: skip
+    ddp, hsdp = tmp_path / "ddp", tmp_path / "hsdp"
+    first = _ranks(4, *common, "--out-dir", str(ddp))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _ranks(4, *common, "--out-dir", str(hsdp), "--fsdp", "--hsdp-replicas", "2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "HSDP (2 replicas" in second.stdout
+    theirs, ours = _rows(ddp), _rows(hsdp)
+    assert len(ours) == len(theirs) == 3
+    for mine, other in zip(ours, theirs, strict=True):
+        for key in ("train_loss", "test_accuracy"):
+            assert float(mine[key]) == pytest.approx(float(other[key]), rel=1e-5, abs=1e-6), key
+
+
 @pytest.mark.usefixtures("here")
 @pytest.mark.parametrize(
     ("flags", "named"),
-    [(["--checkpoint-every", "2"], "checkpoint_every"), (["--resume"], "resume"),
-     (["--weight-rescaling"], "weight_rescaling"), (["--optimizer", "muon"], "muon")],
+    [(["--checkpoint-every", "2"], "fsdp does not support checkpoint_every"),
+     (["--resume"], "resume"),
+     (["--weight-rescaling"], "weight_rescaling"), (["--optimizer", "muon"], "muon"),
+     (["--hsdp-replicas", "3"], "does not divide 1 ranks")],
 )  # fmt: skip
 def test_fsdp_refuses_what_it_does_not_support(flags: list[str], named: str) -> None:
     code, _, err = spdkfac_on_rank(0, 1, ["train", "--fsdp", *flags])
     assert not dist.is_initialized()
     assert code == 2, err
     last = err.strip().splitlines()[-1]
-    assert "fsdp does not support" in last and named in last, err
+    assert named in last, err
+
+
+@pytest.mark.usefixtures("here")
+def test_hsdp_replicas_needs_fsdp() -> None:
+    code, _, err = spdkfac_on_rank(0, 1, ["train", "--hsdp-replicas", "2"])
+    assert code == 2, err
+    assert "hsdp_replicas needs fsdp" in err.strip().splitlines()[-1], err

@@ -143,6 +143,7 @@ class TrainConfig:
     flush_denormal: bool = True
     collective_timeout: float = 600.0
     fsdp: bool = False
+    hsdp_replicas: int | None = None
     out_dir: str = "runs/train"
     checkpoint_every: int = 0
     resume: bool = False
@@ -205,7 +206,12 @@ class TrainConfig:
         self._check_fsdp()
 
     def _check_fsdp(self) -> None:
-        """``fsdp`` trains without checkpoints, and only with what was tested under it."""
+        """``fsdp`` trains without checkpoints, and only with what was tested under it;
+        ``hsdp_replicas`` needs it."""
+        if self.hsdp_replicas is not None:
+            check_int("hsdp_replicas", self.hsdp_replicas, low=1)
+            if not self.fsdp:
+                raise ValueError("hsdp_replicas needs fsdp (HSDP is FSDP2 on a 2-D mesh)")
         if not self.fsdp:
             return
         refused = [

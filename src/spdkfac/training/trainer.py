@@ -75,7 +75,12 @@ class _Run:
         self.module = self.task.build_model(config, self.data)
         self.model: nn.Module = self.module
         if comm.world_size > 1 and config.fsdp:  # sharded in place: model is module
-            fully_shard_model(self.module, world_size=comm.world_size, device_type=comm.device.type)
+            fully_shard_model(
+                self.module,
+                world_size=comm.world_size,
+                device_type=comm.device.type,
+                replicas=config.hsdp_replicas,
+            )
         elif comm.world_size > 1:
             self.model = nn.parallel.DistributedDataParallel(self.module)
         self.sampler: DistributedSampler[Any] = DistributedSampler(
@@ -225,7 +230,7 @@ def _loop(run: _Run) -> TrainSummary:
         f"{config.optimizer}{'/' + config.kfac.strategy if config.uses_kfac else ''} "
         f"{config.model} on {config.dataset}: {comm.world_size} worker(s) x batch "
         f"{config.batch_size}, {run.steps_per_epoch} steps/epoch, {total_steps} steps"
-        + (", FSDP2 (no checkpoints)" if config.fsdp and comm.world_size > 1 else "")
+        + (f", {_sharding(config)} (no checkpoints)" if config.fsdp and comm.world_size > 1 else "")
     )
     run.clock.start()
     while run.step < total_steps:
@@ -325,6 +330,11 @@ def _replicas_identical(run: _Run) -> bool:
     if run.precond is not None:
         tensors += state_tensors(run.precond.state_dict())
     return replicas_identical(run.comm, tensors)
+
+
+def _sharding(config: TrainConfig) -> str:
+    replicas = config.hsdp_replicas
+    return "FSDP2" if replicas is None else f"HSDP ({replicas} replicas, FSDP2)"
 
 
 def _whole(parameter: Tensor) -> Tensor:
