@@ -47,6 +47,7 @@ def _rows(out: Path) -> list[dict[str, str]]:
         ("cnn", "kfac", []),
         ("cnn", "kfac", ["--strategy", "osawa"]),
         ("cnn", "sgd", []),
+        ("cnn", "kfac", ["--accumulation-steps", "2"]),
         ("resnet20", "kfac", ["--batchnorm", "unit-wise"]),
     ],
 )
