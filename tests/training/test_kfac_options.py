@@ -32,8 +32,8 @@ FLAT_KEYS = {
     "stale_inv_update_steps", "stale_growth_steps", "weight_sharing", "factor_examples",
     "batchnorm", "batchnorm_damping_multiplier", "weight_rescaling", "mixup_alpha",
     "random_erasing", "label_smoothing", "augment", "seed", "threads", "flush_denormal",
-    "collective_timeout", "out_dir", "checkpoint_every", "resume", "overwrite", "target_accuracy",
-    "tensorboard", "config",
+    "collective_timeout", "fsdp", "hsdp_replicas", "out_dir", "checkpoint_every", "resume",
+    "overwrite", "target_accuracy", "tensorboard", "config",
 }  # fmt: skip
 
 #: ``benchmarks/reports/gpt_text_2workers/runs/adamw+spd-kfac-0/config.toml`` as written

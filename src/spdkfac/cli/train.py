@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -117,6 +118,11 @@ _HELP: dict[str, str] = {
     "--out-dir holding another run is refused",
     "target_accuracy": "test accuracy whose time-to-reach (at the first evaluation reaching "
     "it) is reported (image datasets)",
+    "fsdp": "shard the model with FSDP2 (fully_shard of its blocks, or of each child with "
+    "parameters, and of the root, on a 1-D mesh over the world) instead of DDP; no "
+    "checkpoints (not with --checkpoint-every, --resume, --weight-rescaling, muon, soap)",
+    "hsdp_replicas": "with --fsdp: HSDP, a 2-D mesh of N replicas x WORLD/N shards (N must "
+    "divide the world size)",
     "tensorboard": "write TensorBoard logs when the tensorboard package is installed",
 }
 
@@ -144,7 +150,7 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     "data": {"type": str},
     **{name: {"type": int} for name in ("max_steps", "threads", "stale_switch_step",
                                          "train_limit", "eval_every", "evals_per_epoch",
-                                         "lr_schedule_steps", "warmup_steps",
+                                         "lr_schedule_steps", "warmup_steps", "hsdp_replicas",
                                          "factor_examples")},
     **{name: {"type": float} for name in ("damping_initial", "poly_end_epoch", "kl_clip")},
 }  # fmt: skip
@@ -236,6 +242,11 @@ def run(args: argparse.Namespace) -> int:
         if problem is not None:
             raise ValueError(f"--out-dir: {problem}")
         require_base(config.base_optimizer)  # so does a missing optimizer package
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if config.hsdp_replicas is not None and world % config.hsdp_replicas:
+            raise ValueError(
+                f"--hsdp-replicas {config.hsdp_replicas} does not divide {world} ranks"
+            )
         if config.model.lower().startswith(TORCHVISION_PREFIX):
             # A missing torchvision or model name exits 2 here, before loading any data.
             torchvision_builder(config.model[len(TORCHVISION_PREFIX) :])

@@ -142,6 +142,8 @@ class TrainConfig:
     threads: int | None = None
     flush_denormal: bool = True
     collective_timeout: float = 600.0
+    fsdp: bool = False
+    hsdp_replicas: int | None = None
     out_dir: str = "runs/train"
     checkpoint_every: int = 0
     resume: bool = False
@@ -201,6 +203,29 @@ class TrainConfig:
                 f"({self.evals_per_epoch}), not both"
             )
         self._check_kinds()
+        self._check_fsdp()
+
+    def _check_fsdp(self) -> None:
+        """``fsdp`` trains without checkpoints, and only with what was tested under it;
+        ``hsdp_replicas`` needs it."""
+        if self.hsdp_replicas is not None:
+            check_int("hsdp_replicas", self.hsdp_replicas, low=1)
+            if not self.fsdp:
+                raise ValueError("hsdp_replicas needs fsdp (HSDP is FSDP2 on a 2-D mesh)")
+        if not self.fsdp:
+            return
+        refused = [
+            ("checkpoint_every", self.checkpoint_every > 0),
+            ("resume", self.resume),
+            ("weight_rescaling", self.weight_rescaling),
+            (f"optimizer {self.optimizer!r}", self.optimizer in ("muon", "soap")),
+        ]
+        named = [name for name, given in refused if given]
+        if named:
+            raise ValueError(
+                f"fsdp does not support {', '.join(named)} (checkpoints of sharded runs are "
+                "not built yet; optimizers: sgd, kfac, adamw, kfac-adamw)"
+            )
 
     def _plain_numbers(self) -> None:
         """Store numpy scalars and 0-d tensors as the Python numbers they hold (TOML and

@@ -168,8 +168,7 @@ def evaluate_accuracy(
     with torch.no_grad():
         # Chunks of 128: on a CPU, chunks of 1000 (activations of megabytes per layer) took
         # twice as long (ResNet-20, 28x28 images, one thread).
-        for start in range(0, len(shard), 128):
-            part = shard[start : start + 128]
+        for part in _even_chunks(shard, len(labels), comm.world_size, 128):
             counts[0] += int((model(images[part]).argmax(1) == labels[part]).sum())
             counts[1] += len(part)
     model.train()
@@ -199,11 +198,18 @@ def evaluate_loss(
     totals = torch.zeros(2, dtype=torch.float64)
     shard = torch.arange(comm.rank, len(targets), comm.world_size)
     with torch.no_grad():
-        for start in range(0, len(shard), batch_size):
-            part = shard[start : start + batch_size]
+        for part in _even_chunks(shard, len(targets), comm.world_size, batch_size):
             summed = token_cross_entropy(model(inputs[part]), targets[part], reduction="sum")
             totals[0] += float(summed)
             totals[1] += targets[part].numel()
     model.train()
     comm.all_reduce_sum(totals).wait()
     return float(totals[0] / totals[1])
+
+
+def _even_chunks(shard: Tensor, total: int, world_size: int, size: int) -> list[Tensor]:
+    """``shard`` in chunks of ``size``, as many on every rank (those past a short shard's
+    end empty): FSDP2 gathers parameters in every forward pass, so every rank runs the
+    same number of them."""
+    longest = -(-total // world_size)
+    return [shard[start : start + size] for start in range(0, longest, size)]

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from spdkfac.comm import Communicator, barrier, destroy_distributed, init_distributed
+from spdkfac.comm.fsdp import fully_shard_model
 from spdkfac.data.augment import RunningMixup
 from spdkfac.training.checkpoint import atomic_write_bytes
 from spdkfac.training.config import TrainConfig
@@ -73,7 +74,14 @@ class _Run:
         torch.manual_seed(config.seed)
         self.module = self.task.build_model(config, self.data)
         self.model: nn.Module = self.module
-        if comm.world_size > 1:
+        if comm.world_size > 1 and config.fsdp:  # sharded in place: model is module
+            fully_shard_model(
+                self.module,
+                world_size=comm.world_size,
+                device_type=comm.device.type,
+                replicas=config.hsdp_replicas,
+            )
+        elif comm.world_size > 1:
             self.model = nn.parallel.DistributedDataParallel(self.module)
         self.sampler: DistributedSampler[Any] = DistributedSampler(
             self.data.train, num_replicas=comm.world_size, rank=comm.rank, seed=config.seed
@@ -222,12 +230,13 @@ def _loop(run: _Run) -> TrainSummary:
         f"{config.optimizer}{'/' + config.kfac.strategy if config.uses_kfac else ''} "
         f"{config.model} on {config.dataset}: {comm.world_size} worker(s) x batch "
         f"{config.batch_size}, {run.steps_per_epoch} steps/epoch, {total_steps} steps"
+        + (f", {_sharding(config)} (no checkpoints)" if config.fsdp and comm.world_size > 1 else "")
     )
     run.clock.start()
     while run.step < total_steps:
         _epoch(run, schedule)
     run.clock.stop()
-    if run.saved_step != run.step:
+    if run.saved_step != run.step and not config.fsdp:  # --fsdp: no checkpoints yet
         run.save()
     final = run.task.final_scores(run.model, run.data, comm)
     summary = summarize(
@@ -316,7 +325,18 @@ def _replicas_identical(run: _Run) -> bool:
     Buffers are left out: DDP re-broadcasts them from rank 0 at every forward, so BatchNorm
     running statistics legitimately differ between ranks after the last one.
     """
-    tensors: list[Tensor] = list(run.module.parameters())
+    # Under --fsdp each rank holds its rows of a DTensor: compared whole (a collective).
+    tensors: list[Tensor] = [_whole(p) for p in run.module.parameters()]
     if run.precond is not None:
         tensors += state_tensors(run.precond.state_dict())
     return replicas_identical(run.comm, tensors)
+
+
+def _sharding(config: TrainConfig) -> str:
+    replicas = config.hsdp_replicas
+    return "FSDP2" if replicas is None else f"HSDP ({replicas} replicas, FSDP2)"
+
+
+def _whole(parameter: Tensor) -> Tensor:
+    full = getattr(parameter, "full_tensor", None)
+    return full() if full is not None else parameter
