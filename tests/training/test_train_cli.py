@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,17 +22,6 @@ import torch.distributed as dist
 from distributed_helper import run_command, run_distributed, spdkfac_on_rank
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture
-def here(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A run in this process: alone (no torchrun variables), its threads and seed undone."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    threads, generator = torch.get_num_threads(), torch.get_rng_state()
-    yield
-    torch.set_num_threads(threads)
-    torch.set_rng_state(generator)
 
 
 def _spdkfac(*args: str) -> subprocess.CompletedProcess[str]:

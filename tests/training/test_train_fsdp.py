@@ -7,25 +7,12 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from distributed_helper import run_distributed, spdkfac_on_rank
-
-
-@pytest.fixture
-def here(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A run in this process: alone (no torchrun variables), its threads and seed undone."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    threads, generator = torch.get_num_threads(), torch.get_rng_state()
-    yield
-    torch.set_num_threads(threads)
-    torch.set_rng_state(generator)
 
 
 def _ranks(world_size: int, *args: str) -> subprocess.CompletedProcess[str]:
