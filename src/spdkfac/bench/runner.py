@@ -176,6 +176,9 @@ class _VariantRun:
             self.profiler = self.precond.profiler
         else:
             self.profiler = Profiler(enabled=True, rank=comm.rank)
+        self._tuned = self.precond is not None and isinstance(
+            self.precond.config.selection, AutoStrategy
+        )
         owned = None if self.precond is None else self.precond.gradient_launches
         if owned is not None:  # the preconditioner's own hook records launches
             self.launches = owned
@@ -223,12 +226,7 @@ class _VariantRun:
     @property
     def trying(self) -> bool:
         """Whether ``strategy="auto"`` is still trying candidates."""
-        precond = self.precond
-        return (
-            precond is not None
-            and isinstance(precond.config.selection, AutoStrategy)
-            and precond.strategy_choice is None
-        )
+        return self._tuned and self.precond is not None and self.precond.strategy_choice is None
 
     @property
     def warmup(self) -> int:

@@ -4,20 +4,18 @@ can take over."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from torch import Tensor, nn
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from spdkfac.comm import Communicator
-from spdkfac.layers import LOCAL_GRADIENTS, GradientAccess
-from spdkfac.layout.base import GradientHook, unwrap_compiled
+from spdkfac.layout.base import GradientHook
+from spdkfac.layout.plain import PlainLayout
 
 __all__ = ["DataParallelLayout"]
 
 
-class DataParallelLayout:
-    """A ``DistributedDataParallel`` model.
+class DataParallelLayout(PlainLayout):
+    """A ``DistributedDataParallel`` model: the plain layout of its module, with DDP
+    reducing the gradients during backward (a hook can take that over).
 
     Args:
         ddp: The wrapper (its module may itself be compiled).
@@ -28,11 +26,10 @@ class DataParallelLayout:
     routes_gradients = True
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
-        self.ddp = ddp
         inner = ddp.module
         assert isinstance(inner, nn.Module)
-        self.module = unwrap_compiled(inner)
-        self.gradients: GradientAccess = LOCAL_GRADIENTS
+        super().__init__(inner)
+        self.ddp = ddp
 
     def route_gradients(self, hook: GradientHook) -> None:
         try:
@@ -43,11 +40,3 @@ class DataParallelLayout:
                 "its own communication hook, and this DistributedDataParallel model cannot "
                 f"take it ({error})"
             ) from error
-
-    def owner_gradients(
-        self, communicator: Communicator, params: Sequence[Tensor], owners: Sequence[int]
-    ) -> GradientAccess:
-        return self.gradients
-
-    def clip_sum(self, partial: float) -> float:
-        return partial
