@@ -14,13 +14,20 @@ from spdkfac.forms import FORM_METHODS, EigenBasis, inverse_form
 from spdkfac.layers import gradient_matrix
 
 
+#: The stateless forms that use both factors (the explicit references below); the others
+#: are tested in tests/test_forms_moments.py.
+KRONECKER_METHODS = tuple(
+    m for m in FORM_METHODS if inverse_form(m).uses_g and not inverse_form(m).moments
+)
+
+
 def _spd(dim: int, seed: int, rank: int | None = None) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randn(rank or 2 * dim, dim, generator=generator, dtype=torch.float64)
     return rows.T @ rows / rows.shape[0]
 
 
-@pytest.mark.parametrize("method", FORM_METHODS)
+@pytest.mark.parametrize("method", KRONECKER_METHODS)
 def test_each_form_preconditions_as_its_explicit_kronecker_solve(method: str) -> None:
     a, g = _spd(5, 0, rank=3), _spd(4, 1)  # A rank-deficient: eigenvalues clamp at 0
     gradient = torch.randn(4, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -28,7 +35,7 @@ def test_each_form_preconditions_as_its_explicit_kronecker_solve(method: str) ->
     a_result, g_result = form.compute(a, damping), form.compute(g, damping)
     reference = eigenbasis_precondition if method == "eigen-basis" else kronecker_precondition
     expected = reference(gradient, a, g, damping)
-    torch.testing.assert_close(form.kronecker(gradient, a_result, g_result, damping), expected)
+    torch.testing.assert_close(form.kronecker(gradient, a_result, g_result, damping, {}), expected)
     # The wire format round-trips, and batched results equal single ones.
     for factor, result in ((a, a_result), (g, g_result)):
         packed = form.pack(result)
@@ -37,18 +44,18 @@ def test_each_form_preconditions_as_its_explicit_kronecker_solve(method: str) ->
         assert result.shape == form.shape(factor.shape[0])
     stacked = form.compute_all(torch.stack([a, _spd(5, 3)]), damping)
     torch.testing.assert_close(
-        form.kronecker(gradient, stacked[0], g_result, damping), expected, rtol=1e-9, atol=1e-12
+        form.kronecker(gradient, stacked[0], g_result, damping, {}), expected, rtol=1e-9, atol=1e-12
     )
 
 
-@pytest.mark.parametrize("method", FORM_METHODS)
+@pytest.mark.parametrize("method", KRONECKER_METHODS)
 def test_a_diagonal_a_factor_preconditions_as_its_explicit_solve(method: str) -> None:
     a = torch.tensor([0.0, 0.5, 2.0, 1.0], dtype=torch.float64)  # an unused embedding row
     g = _spd(3, 4)
     gradient = torch.randn(3, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     form, damping = inverse_form(method), 0.1
     result = form.kronecker_diagonal(
-        gradient, form.diagonal(a, damping), form.compute(g, damping), damping
+        gradient, form.diagonal(a, damping), form.compute(g, damping), damping, {}
     )
     if method == "eigen-basis":
         expected = eigenbasis_precondition(gradient, a, g, damping)
@@ -182,7 +189,7 @@ def test_a_checkpoint_of_another_form_loads_and_recomputes_its_inverses() -> Non
         KFACPreconditioner(_model(), inverse_dtype=torch.int32)
 
 
-@pytest.mark.parametrize("method", FORM_METHODS)
+@pytest.mark.parametrize("method", KRONECKER_METHODS)
 def test_registered_blocks_describe_their_factors_in_their_form(method: str) -> None:
     """What placement prices: each placed factor's wire elements and compute scale are
     its block's form's (an embedding's diagonal A is not placed)."""

@@ -81,7 +81,11 @@ class KFACConfig:
         inverse_method: ``"cholesky"`` or ``"eigen"`` (both compute each factor's
             ``(F + γI)⁻¹``), or ``"eigen-basis"`` (each factor's eigendecomposition, the
             damping added to the Kronecker product's eigenvalues, as KAISA's eigen
-            method): see :mod:`spdkfac.forms`.
+            method); for transformers ``"eigen-adam"`` (Adam's moments in the factors'
+            eigen-bases, SOAP's recipe; a full update direction: step it with momentum-free
+            SGD, ``kl_clip=None``) or ``"one-sided"`` (A's damped inverse alone, damping
+            relative to A's mean eigenvalue; then ``torch.optim.Muon``): see
+            :mod:`spdkfac.forms`.
         inverse_dtype: Dtype inverses (or eigen-bases) are stored, broadcast and applied
             in, e.g. ``torch.bfloat16`` (decompositions run in float32); None: float32
             (float64 for a float64 model).
@@ -182,6 +186,11 @@ class KFACConfig:
         if self.kl_clip is not None and not callable(self.kl_clip):
             plain("kl_clip", check_number("kl_clip", self.kl_clip))
         check_choice("inverse_method", self.inverse_method, FORM_METHODS)
+        if self.inverse_method == "eigen-adam" and self.kl_clip is not None:
+            raise ValueError(
+                f"kl_clip must be None with inverse_method='eigen-adam' (got {self.kl_clip!r}): "
+                "its direction carries Adam's own scale, which the KL clip would rescale"
+            )
         check_choice("inverse_dtype", self.inverse_dtype, _DTYPES)
         check_choice("factor_dtype", self.factor_dtype, _DTYPES)
         object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers))

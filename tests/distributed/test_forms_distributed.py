@@ -77,3 +77,63 @@ def test_forms_across_two_ranks_equal_single_process() -> None:
                     assert error < 0.02, (index, name, float(error))
                 else:
                     torch.testing.assert_close(got, gradient)
+
+
+# ---------------------------------------------------------------------- transformer forms
+#: Every composition with each stateful or one-sided form (moments kept by every rank, or
+#: by the owner under osawa).
+MOMENT_CASES = tuple(
+    (strategy, method)
+    for method in ("eigen-adam", "one-sided")
+    for strategy in ("d-kfac", "spd-kfac", "osawa")
+)
+WIDE = 24  # examples per step: every factor has distinct eigenvalues (a unique basis)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def _train_mlp(model: nn.Module, rank: int, world_size: int, **options: object) -> list[Tensor]:
+    """Four SGD steps, bases refreshed every second step: each step's first-layer update
+    and the final parameters."""
+    precond = KFACPreconditioner(
+        model, damping=0.1, kl_clip=None, lr=0.1, inv_update_steps=2, **options
+    )  # type: ignore[arg-type]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    share, seen = WIDE // world_size, []
+    for step in range(4):
+        optimizer.zero_grad()
+        generator = torch.Generator().manual_seed(11 + step)
+        inputs = torch.randn(WIDE, 4, generator=generator, dtype=torch.float64)
+        targets = torch.randint(0, 3, (WIDE,), generator=generator)
+        part = slice(rank * share, (rank + 1) * share)
+        F.cross_entropy(model(inputs[part]), targets[part]).backward()
+        assert precond.step()
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        seen.append(inner[0].weight.grad.detach().clone())
+        optimizer.step()
+    return seen + [p.detach().clone() for p in inner.parameters()]
+
+
+def _moment_worker(rank: int, world_size: int) -> list[list[Tensor]]:
+    return [
+        _train_mlp(
+            DistributedDataParallel(_mlp()), rank, world_size, strategy=strategy,
+            inverse_method=method,
+        )
+        for strategy, method in MOMENT_CASES
+    ]  # fmt: skip
+
+
+def test_transformer_forms_across_two_and_three_ranks_equal_single_process() -> None:
+    expected = {
+        method: _train_mlp(_mlp(), 0, 1, inverse_method=method) for _, method in MOMENT_CASES
+    }
+    for world_size in (2, 3):
+        results = run_distributed(_moment_worker, world_size, timeout=150)
+        for index, (strategy, method) in enumerate(MOMENT_CASES):
+            for rank_result in results:
+                for got, want in zip(rank_result[index], expected[method], strict=True):
+                    torch.testing.assert_close(got, want, msg=f"{strategy} {method}")

@@ -174,3 +174,36 @@ def test_muon_on_a_torch_without_it_names_the_option(monkeypatch: pytest.MonkeyP
         require_base("muon")
     with pytest.raises(ValueError, match=r"--optimizer muon needs torch\.optim\.Muon"):
         make_optimizers(TrainConfig(model="mlp", optimizer="muon"), _mlp(), 1)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "form", "part"),
+    [("kfac-muon", "one-sided", "muon"), ("kfac-eigen-adam", "eigen-adam", "eigen-adam")],
+)
+def test_transformer_recipe_takes_the_hidden_layers_with_its_form(
+    optimizer: str, form: str, part: str
+) -> None:
+    """K-FAC preconditions the hidden Linear layers only (not the embeddings, the tied
+    head, the norms), in the recipe's form, without the KL clip; the hidden matrices'
+    part of the optimizer is Muon, or for eigen-adam a momentum-free SGD taking the
+    form's direction as it is (weights and biases); AdamW the rest; one step trains."""
+    model = _gpt()
+    config = TrainConfig(model="gpt", dataset="text", optimizer=optimizer, lr=0.003)
+    _, combined, precond = make_optimizers(config, model, steps_per_epoch=5)
+    assert precond is not None and isinstance(combined, CombinedOptimizer)
+    hidden = [f"blocks.{b}.{layer}" for b in range(2)
+              for layer in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]  # fmt: skip
+    assert precond.layers == hidden
+    assert precond.config.inverse_method == form and precond.config.kl_clip is None
+    assert set(combined.parts) == {part, "adamw"}
+    taken = _names(model, [p for g in combined.parts[part].param_groups for p in g["params"]])
+    if part == "eigen-adam":
+        sgd = combined.parts[part]
+        assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0
+        assert taken == {f"{name}.{kind}" for name in hidden for kind in ("weight", "bias")}
+    else:
+        assert taken == {f"{name}.weight" for name in hidden}
+    tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(2))
+    before = [p.detach().clone() for p in model.parameters()]
+    train_step(model, combined, precond, [cross_entropy_pass(model, tokens[:, :-1], tokens[:, 1:])])
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

@@ -54,7 +54,10 @@ _HELP: dict[str, str] = {
     "optimizer": f"optimizer: {', '.join(OPTIMIZERS)} (kfac = SGD preconditioned by K-FAC, "
     "kfac-adamw = AdamW preconditioned by K-FAC, muon = torch.optim.Muon on hidden weight "
     "matrices with AdamW on embeddings, head, norms and biases, soap = SOAP from the "
-    "heavyball package)",
+    "heavyball package; the transformer recipe, K-FAC on the hidden Linear layers only, "
+    "no KL clip: kfac-muon = one-sided K-FAC (A only, --damping relative to A's mean "
+    "eigenvalue) then Muon, kfac-eigen-adam = Adam in K-FAC's eigen-bases, refreshed every "
+    "--inv-update-steps; AdamW on the rest)",
     "lr": "peak learning rate",
     "momentum": "SGD and Muon momentum, in [0, 1) (AdamW and SOAP keep their default betas)",
     "nesterov": "Nesterov momentum (SGD)",

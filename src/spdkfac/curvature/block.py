@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from spdkfac.forms import DampedInverse, InverseForm
+from spdkfac.forms import DampedInverse, InverseForm, Moments
 from spdkfac.layers import LOCAL_GRADIENTS, GradientAccess, KFACLayer
 from spdkfac.linalg import packed_dim, unpack_triu
 from spdkfac.planning.placement import FactorSpec
@@ -284,6 +284,9 @@ class FactorPairState:
     factor_dtype: torch.dtype | None = None
     #: The damping of the last inverse update (the eigen-basis form applies it at use).
     damping: float = 0.0
+    #: The form's running state (:attr:`~spdkfac.forms.InverseForm.moments`; empty for a
+    #: stateless form), kept by whoever preconditions the block.
+    moments: Moments
 
     def __init__(
         self,
@@ -301,6 +304,7 @@ class FactorPairState:
             self.form = form
         self.factor_dtype = factor_dtype
         self.a_factor = self.g_factor = self.a_inverse = self.g_inverse = None
+        self.moments = dict.fromkeys(self.form.moments)
 
     def _kept(self, new: Tensor) -> Tensor:
         """A factor step's statistic in the running factors' storage dtype."""
@@ -321,6 +325,7 @@ class FactorPairState:
             "g_factor": g_factor,
             "a_inverse": self.a_inverse,
             "g_inverse": self.g_inverse,
+            **self.moments,
         }
 
     def stored(self) -> dict[str, Tensor | None]:
@@ -329,6 +334,7 @@ class FactorPairState:
             "g_factor": self.g_factor,
             "a_inverse": self.a_inverse,
             "g_inverse": self.g_inverse,
+            **self.moments,
         }
 
     def restore(self, entry: Mapping[str, Tensor | None]) -> None:
@@ -337,6 +343,7 @@ class FactorPairState:
         self.g_factor = _in_dtype(entry["g_factor"], factors)
         self.a_inverse = _in_dtype(entry["a_inverse"], inverses)
         self.g_inverse = _in_dtype(entry["g_inverse"], inverses)
+        self.moments = {name: entry.get(name) for name in self.form.moments}
 
 
 def _in_dtype(value: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:

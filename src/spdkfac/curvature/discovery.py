@@ -39,7 +39,7 @@ from torch.nn.utils import parametrize
 
 from spdkfac.curvature.block import CurvatureBlock
 from spdkfac.curvature.grouped import GroupedConvBlock
-from spdkfac.curvature.kronecker import DiagonalKroneckerBlock, KroneckerBlock
+from spdkfac.curvature.kronecker import DiagonalKroneckerBlock, KroneckerBlock, OneSidedBlock
 from spdkfac.curvature.normalization import NormalizationBlock
 from spdkfac.forms import DampedInverse, InverseForm
 from spdkfac.layers import FactorOptions, adapter_for_type, lookup
@@ -101,6 +101,14 @@ def _kronecker(name: str, module: nn.Module, settings: BlockSettings) -> Curvatu
         return None
     adapter = adapter.with_options(settings.factor_options, weight_sharing=settings.weight_sharing)
     adapter = adapter.for_module(module)
+    if not settings.form.uses_g:  # A's result alone: only a dense A (not an embedding's)
+        return (
+            None
+            if adapter.diagonal_a
+            else OneSidedBlock(
+                name, module, adapter, form=settings.form, factor_dtype=settings.factor_dtype
+            )
+        )
     block_type = DiagonalKroneckerBlock if adapter.diagonal_a else KroneckerBlock
     return block_type(name, module, adapter, form=settings.form, factor_dtype=settings.factor_dtype)
 
@@ -108,6 +116,8 @@ def _kronecker(name: str, module: nn.Module, settings: BlockSettings) -> Curvatu
 def _grouped(name: str, module: nn.Module, settings: BlockSettings) -> CurvatureBlock | None:
     adapter = adapter_for_type(module)
     if adapter is None or getattr(module, "groups", 1) == 1 or not _trainable_weight(module):
+        return None
+    if not settings.form.uses_g:  # the one-sided form takes dense layers only
         return None
     adapter = adapter.with_options(settings.factor_options, weight_sharing=settings.weight_sharing)
     adapter = adapter.for_module(module)

@@ -118,7 +118,9 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
         if self.a_inverse is None or self.g_inverse is None:
             return gradient
         per_group = gradient.reshape(self.groups, self.g_dim, self.a_dim)
-        result = self.form.kronecker(per_group, self.a_inverse, self.g_inverse, self.damping)
+        result = self.form.kronecker(
+            per_group, self.a_inverse, self.g_inverse, self.damping, self.moments
+        )
         return result.reshape(gradient.shape)
 
     def set_gradient(self, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS) -> None:
@@ -132,4 +134,5 @@ class GroupedConvBlock(LocalInverses, FactorPairState, ModuleBlock):
             "g_factor": g,
             "a_inverse": (self.groups, *self.form.shape(self.a_dim)),
             "g_inverse": (self.groups, *self.form.shape(self.g_dim)),
+            **self.form.moment_shapes((self.groups, self.g_dim, self.a_dim)),
         }

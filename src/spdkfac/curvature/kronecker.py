@@ -17,7 +17,7 @@ from spdkfac.curvature.state import running_average, symmetric_running_average
 from spdkfac.layers import LOCAL_GRADIENTS, GradientAccess
 from spdkfac.planning.placement import FactorSpec
 
-__all__ = ["DiagonalKroneckerBlock", "KroneckerBlock"]
+__all__ = ["DiagonalKroneckerBlock", "KroneckerBlock", "OneSidedBlock"]
 
 
 def _average(symmetric: bool) -> Callable[[Tensor | None, Tensor, float], Tensor]:
@@ -123,7 +123,9 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
     def precondition(self, gradient: Tensor) -> Tensor:
         if self.a_inverse is None or self.g_inverse is None:
             return gradient
-        return self.form.kronecker(gradient, self.a_inverse, self.g_inverse, self.damping)
+        return self.form.kronecker(
+            gradient, self.a_inverse, self.g_inverse, self.damping, self.moments
+        )
 
     def set_gradient(self, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS) -> None:
         self.adapter.set_gradient(self.module, matrix, access)
@@ -136,6 +138,7 @@ class KroneckerBlock(FactorPairState, ModuleBlock):
             "g_factor": (g, g),
             "a_inverse": self.form.shape(a),
             "g_inverse": self.form.shape(g),
+            **self.form.moment_shapes((g, a)),
         }
 
 
@@ -186,7 +189,9 @@ class DiagonalKroneckerBlock(KroneckerBlock):
     def precondition(self, gradient: Tensor) -> Tensor:
         if self.a_inverse is None or self.g_inverse is None:
             return gradient
-        return self.form.kronecker_diagonal(gradient, self.a_inverse, self.g_inverse, self.damping)
+        return self.form.kronecker_diagonal(
+            gradient, self.a_inverse, self.g_inverse, self.damping, self.moments
+        )
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         a, g = self.a_dim, self.g_dim
@@ -195,4 +200,45 @@ class DiagonalKroneckerBlock(KroneckerBlock):
             "g_factor": (g, g),
             "a_inverse": (a,),
             "g_inverse": self.form.shape(g),
+            **self.form.moment_shapes((g, a)),
         }
+
+
+class OneSidedBlock(KroneckerBlock):
+    """A Kronecker block preconditioned by A's result alone (the ``"one-sided"`` form,
+    :class:`~spdkfac.forms.OneSided`): ``V = ∇ Â``. G is neither captured, exchanged nor
+    inverted; its entries stay None in the state."""
+
+    def slots(self) -> tuple[Slot, ...]:
+        a = self.a_dim
+        return (Slot(self._a_key, (a, a), symmetric=True, forward=True),)
+
+    def describe(self) -> str:
+        return f"{self.name}:{self.a_dim}x{self.g_dim}:A-only"
+
+    def capture_grad(self, inputs: Tensor, grad_output: Tensor) -> dict[str, Contribution]:
+        return {}
+
+    def absorb(self, new: Mapping[str, Tensor | None], decay: float) -> None:
+        a_new = new.get(self._a_key)
+        if a_new is not None:
+            self.a_factor = symmetric_running_average(self.a_factor, self._kept(a_new), decay)
+
+    def inverse_specs(self) -> tuple[FactorSpec, ...]:
+        return (FactorSpec.for_form(self.name, "A", self.a_dim, self.form),)
+
+    def placed_factors(self) -> dict[str, Tensor]:
+        return {} if self.a_factor is None else {self._a_key: self.a_factor}
+
+    def previous_inverses(self) -> dict[str, Tensor | None]:
+        return {self._a_key: self.a_inverse}
+
+    def update_inverses(self, inverses: Mapping[str, Tensor], damping: float) -> None:
+        if self.a_factor is not None:
+            self.a_inverse = inverses.get(self._a_key)
+            self.damping = damping
+
+    def precondition(self, gradient: Tensor) -> Tensor:
+        if self.a_inverse is None:
+            return gradient
+        return self.form.kronecker(gradient, self.a_inverse, None, self.damping, self.moments)

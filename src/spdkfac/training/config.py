@@ -58,10 +58,10 @@ DATASETS: tuple[str, ...] = tuple(DATASET_KINDS)
 #: builders are :data:`spdkfac.training.optimizers.BASE_OPTIMIZERS`.
 OPTIMIZERS: dict[str, str] = {
     "sgd": "sgd", "kfac": "sgd", "adamw": "adamw", "kfac-adamw": "adamw", "muon": "muon",
-    "soap": "soap",
+    "soap": "soap", "kfac-muon": "muon", "kfac-eigen-adam": "eigen-adam",
 }  # fmt: skip
 #: The ``--optimizer`` values whose base optimizer K-FAC preconditions.
-KFAC_OPTIMIZERS: frozenset[str] = frozenset({"kfac", "kfac-adamw"})
+KFAC_OPTIMIZERS: frozenset[str] = frozenset({"kfac", "kfac-adamw", "kfac-muon", "kfac-eigen-adam"})
 LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
 #: ``--weight-sharing`` values (``KFACPreconditioner``'s ``weight_sharing``).
 WEIGHT_SHARINGS: tuple[str, ...] = get_args(WeightSharing)
@@ -218,7 +218,10 @@ class TrainConfig:
             ("checkpoint_every", self.checkpoint_every > 0),
             ("resume", self.resume),
             ("weight_rescaling", self.weight_rescaling),
-            (f"optimizer {self.optimizer!r}", self.optimizer in ("muon", "soap")),
+            (
+                f"optimizer {self.optimizer!r}",
+                self.base_optimizer in ("muon", "soap", "eigen-adam"),
+            ),
         ]
         named = [name for name, given in refused if given]
         if named:
@@ -273,7 +276,9 @@ class TrainConfig:
     @property
     def base_optimizer(self) -> str:
         """The optimizer that applies the update: ``"sgd"``, ``"adamw"``, ``"muon"`` (Muon on
-        hidden weight matrices, AdamW on the rest) or ``"soap"`` (heavyball's SOAP)."""
+        hidden weight matrices, AdamW on the rest), ``"soap"`` (heavyball's SOAP) or
+        ``"eigen-adam"`` (the direction of K-FAC's ``eigen-adam`` form as it is on the
+        hidden layers, AdamW on the rest)."""
         return OPTIMIZERS[self.optimizer]
 
     def to_dict(self) -> dict[str, Any]:

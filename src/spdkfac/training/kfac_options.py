@@ -14,7 +14,10 @@ from dataclasses import dataclass, fields, replace
 from operator import attrgetter
 from typing import Any
 
+from torch import nn
+
 from spdkfac.config import KFACConfig
+from spdkfac.forms import FormMethod
 from spdkfac.layers import FactorOptions
 from spdkfac.layers.batchnorm import BATCHNORM_MODES
 from spdkfac.schedules import damping_warmup, stale_interval
@@ -23,10 +26,12 @@ from spdkfac.support.checks import check_choice, check_int, check_number
 __all__ = [
     "BATCHNORM_CURVATURES",
     "KFAC_FLAGS",
+    "TRANSFORMER_FORMS",
     "KFACSchedules",
     "check_train_kfac",
     "kfac_from_flat",
     "kfac_to_flat",
+    "transformer_recipe",
 ]
 
 #: ``--batchnorm`` values: "off" (plain gradient) or a mode of ``KFACPreconditioner``.
@@ -56,6 +61,31 @@ _FLAGGED_FIELDS = frozenset(
 
 #: Options a flag gives as a number; their schedules are :class:`KFACSchedules`.
 _PLAIN_NUMBERS = ("damping", "kl_clip", "factor_decay", "factor_update_steps", "inv_update_steps")
+
+
+#: ``--optimizer`` values of the transformer recipe -> the form K-FAC takes the hidden
+#: layers with (every other layer is left to AdamW, and the KL clip is off: Muon's
+#: orthogonalization and Adam's moments set the scale).
+TRANSFORMER_FORMS: dict[str, FormMethod] = {"kfac-muon": "one-sided", "kfac-eigen-adam": "eigen-adam"}
+
+
+def transformer_recipe(
+    kfac: KFACConfig, optimizer: str, hidden: set[str], model: nn.Module
+) -> KFACConfig:
+    """``kfac`` as ``--optimizer`` ``optimizer`` runs it: for the transformer recipe
+    (:data:`TRANSFORMER_FORMS`), its form on the ``hidden`` layers of ``model`` (names in
+    the user's module) only, without the KL clip; any other optimizer's ``kfac`` as it is."""
+    form = TRANSFORMER_FORMS.get(optimizer)
+    if form is None:
+        return kfac
+    skipped = tuple(
+        name
+        for name, module in model.named_modules()
+        if name
+        and name not in hidden
+        and isinstance(module.__dict__.get("_parameters", {}).get("weight"), nn.Parameter)
+    )
+    return replace(kfac, inverse_method=form, kl_clip=None, skip_layers=skipped)
 
 
 def kfac_to_flat(kfac: KFACConfig) -> dict[str, Any]:

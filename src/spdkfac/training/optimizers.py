@@ -26,6 +26,7 @@ __all__ = [
     "CombinedOptimizer",
     "OptimizerBuilder",
     "build_base_optimizer",
+    "hidden_layers",
     "muon_parameters",
     "require_base",
 ]
@@ -89,29 +90,42 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self.param_groups = [group for part in self.parts.values() for group in part.param_groups]
 
 
-def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(Muon's hidden weight matrices, AdamW's other parameters), each parameter once.
-
-    The matrices are the 2-D weights of every ``nn.Linear`` but the last one in module
-    order (the output head); a weight an ``nn.Embedding`` also owns (a tied head) is not
-    one. Embeddings, the head, norms, biases and other shapes (convolution kernels) are
-    AdamW's.
-    """
-    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
-    excluded = {
+def hidden_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """The transformer recipe's hidden layers, by name in ``model``: every ``nn.Linear``
+    with a 2-D weight but the last one in module order (the output head) and any whose
+    weight an ``nn.Embedding`` also owns (a tied head). Muon and the K-FAC forms for
+    transformers take these; embeddings, the head, norms and other shapes (convolution
+    kernels) are AdamW's (Jordan et al.'s Muon recipe; Vyas et al. 2024 leave the same to
+    Adam in SOAP's language-model runs)."""
+    linears = [
+        (name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
+    ]
+    embedded = {
         id(parameter)
         for module in model.modules()
         if isinstance(module, nn.Embedding)
         for parameter in module.parameters()
     }
-    if linears:
-        excluded.add(id(linears[-1].weight))
-    hidden = {id(layer.weight) for layer in linears if layer.weight.ndim == 2} - excluded
-    matrices: list[nn.Parameter] = []
+    return {
+        name: layer
+        for name, layer in linears[:-1]
+        if layer.weight.ndim == 2 and id(layer.weight) not in embedded
+    }
+
+
+def _split(model: nn.Module, taken: set[int]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the parameters in ``taken`` by id, the others), each parameter once."""
+    chosen: list[nn.Parameter] = []
     others: list[nn.Parameter] = []
     for parameter in model.parameters():  # tied parameters come once
-        (matrices if id(parameter) in hidden else others).append(parameter)
-    return matrices, others
+        (chosen if id(parameter) in taken else others).append(parameter)
+    return chosen, others
+
+
+def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(Muon's hidden weight matrices, AdamW's other parameters), each parameter once: the
+    weights of :func:`hidden_layers`; their biases are AdamW's."""
+    return _split(model, {id(layer.weight) for layer in hidden_layers(model).values()})
 
 
 def _sgd(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -148,6 +162,21 @@ def _muon(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optim
     return CombinedOptimizer(parts)
 
 
+def _eigen_adam(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """``--optimizer kfac-eigen-adam``'s base: the preconditioner's ``"eigen-adam"`` form
+    is Adam in K-FAC's eigen-bases (momentum and scale included), so the hidden layers
+    (weights and biases, one K-FAC block each) take its direction as it is: SGD without
+    momentum, whose weight decay is then AdamW's decoupled decay. AdamW on the rest."""
+    taken = {id(p) for layer in hidden_layers(model).values() for p in layer.parameters()}
+    direct, others = _split(model, taken)
+    parts: dict[str, torch.optim.Optimizer] = {}
+    if direct:
+        parts["eigen-adam"] = torch.optim.SGD(direct, lr=lr, weight_decay=config.weight_decay)
+    if others:
+        parts["adamw"] = torch.optim.AdamW(others, lr=lr, weight_decay=config.weight_decay)
+    return CombinedOptimizer(parts)
+
+
 def _soap(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     heavyball = _heavyball()
     parameters = list(model.parameters())
@@ -169,6 +198,7 @@ BASE_OPTIMIZERS: dict[str, OptimizerBuilder] = {
     "adamw": _adamw,
     "muon": _muon,
     "soap": _soap,
+    "eigen-adam": _eigen_adam,
 }
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 from spdkfac.config import KFACConfig
@@ -18,8 +19,9 @@ from spdkfac.data.cifar10 import load_cifar10
 from spdkfac.data.imagefolder import load_image_folder
 from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.training.config import TrainConfig
+from spdkfac.training.kfac_options import transformer_recipe
 from spdkfac.training.lr_schedules import cosine_lr, polynomial_lr, step_lr
-from spdkfac.training.optimizers import BASE_OPTIMIZERS, build_base_optimizer
+from spdkfac.training.optimizers import BASE_OPTIMIZERS, build_base_optimizer, hidden_layers
 
 __all__ = [
     "BASE_OPTIMIZERS",
@@ -222,6 +224,8 @@ def make_optimizers(
     optimizer = build_base_optimizer(config, model, lr(0))
     if not config.uses_kfac:
         return lr, optimizer, None
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    kfac = transformer_recipe(kfac, config.optimizer, set(hidden_layers(inner)), inner)
     # The KL clip reads each layer's learning rate from the optimizer: the trainer sets
     # the schedule's lr(step) on it before every step, so the clip sees that rate.
     return lr, optimizer, KFACPreconditioner(model, config=kfac, optimizer=optimizer)
