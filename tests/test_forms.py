@@ -13,7 +13,6 @@ from spdkfac import KFACPreconditioner
 from spdkfac.forms import FORM_METHODS, EigenBasis, inverse_form
 from spdkfac.layers import gradient_matrix
 
-
 #: The stateless forms that use both factors (the explicit references below); the others
 #: are tested in tests/test_forms_moments.py.
 KRONECKER_METHODS = tuple(

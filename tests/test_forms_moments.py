@@ -179,7 +179,7 @@ def test_eigen_adam_preconditioner_over_refreshes_and_its_state_dict() -> None:
     records = _run("eigen-adam", 3, precond, model)
     for name in ("2", "4"):
         bases = []
-        for step, (_, _, factors) in enumerate(records):
+        for step in range(len(records)):
             refreshed = records[step - step % 2][2][name]  # the factors at the last refresh
             bases.append((_basis(refreshed[0]), _basis(refreshed[1])))
         expected = _explicit_adam([raw[name] for raw, _, _ in records], bases)

@@ -66,7 +66,10 @@ _PLAIN_NUMBERS = ("damping", "kl_clip", "factor_decay", "factor_update_steps", "
 #: ``--optimizer`` values of the transformer recipe -> the form K-FAC takes the hidden
 #: layers with (every other layer is left to AdamW, and the KL clip is off: Muon's
 #: orthogonalization and Adam's moments set the scale).
-TRANSFORMER_FORMS: dict[str, FormMethod] = {"kfac-muon": "one-sided", "kfac-eigen-adam": "eigen-adam"}
+TRANSFORMER_FORMS: dict[str, FormMethod] = {
+    "kfac-muon": "one-sided",
+    "kfac-eigen-adam": "eigen-adam",
+}
 
 
 def transformer_recipe(
