@@ -133,3 +133,28 @@ def test_each_form_of_a_diagonal_factor(device: torch.device, method: str) -> No
         gradient.float().to(device), form.diagonal(a_dev, 0.1), form.compute(g_dev, 0.1), 0.1, {}
     )
     torch.testing.assert_close(result.double().cpu(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["one-sided", "eigen-adam"])
+def test_transformer_forms_on_the_device_equal_float64_on_the_cpu(
+    device: torch.device, method: str
+) -> None:
+    """Three steps of each transformer form (its moments on the device) against the same
+    form in float64 on the CPU (itself checked against explicit SOAP steps and solves in
+    tests/test_forms_moments.py)."""
+    a, g = _spd(6, 0), _spd(5, 1)  # distinct eigenvalues: a unique basis
+    generator = torch.Generator().manual_seed(3)
+    gradients = [torch.randn(5, 6, generator=generator, dtype=torch.float64) for _ in range(3)]
+    form = inverse_form(method)
+    moments_cpu: dict[str, Tensor | None] = dict.fromkeys(form.moments)
+    moments_dev: dict[str, Tensor | None] = dict.fromkeys(form.moments)
+    a_cpu, g_cpu = form.compute(a, DAMPING), form.compute(g, DAMPING) if form.uses_g else None
+    a_dev = form.compute(a.float().to(device), DAMPING)
+    g_dev = form.compute(g.float().to(device), DAMPING) if form.uses_g else None
+    for gradient in gradients:
+        expected = form.kronecker(gradient, a_cpu, g_cpu, DAMPING, moments_cpu)
+        got = form.kronecker(gradient.float().to(device), a_dev, g_dev, DAMPING, moments_dev)
+        assert got.device == device and got.dtype == torch.float32
+        torch.testing.assert_close(got.double().cpu(), expected, rtol=1e-3, atol=1e-4)
+    for name, value in moments_dev.items():
+        assert value is not None and value.device == device, name
