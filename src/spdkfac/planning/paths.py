@@ -185,9 +185,7 @@ def plan_gradient_paths(
     placement's communicated inversions included; ties: lowest rank).
     """
     costs = {layer.layer: path_costs(layer, world_size, cost_model) for layer in layers}
-    chosen = [
-        layer for layer in layers if world_size > 1 and costs[layer.layer].path == OWNER
-    ]
+    chosen = [layer for layer in layers if world_size > 1 and costs[layer.layer].path == OWNER]
     chosen_names = {layer.layer for layer in chosen}
     specs = [spec for layer in layers for spec in layer.factors]
     shared = placement.plan(

@@ -275,8 +275,7 @@ def prepare(
     """
     if strategy.final.chooses_paths:
         raise ValueError(
-            f"strategy={strategy.name!r}: the simulator does not model per-layer gradient "
-            "paths yet"
+            f"strategy={strategy.name!r}: the simulator does not model per-layer gradient paths yet"
         )
     scheduler = window_policy(comm_scheduler)
     world_size = costs.world_size
