@@ -24,7 +24,7 @@ STEPS = 4
 #: Per-call inversions dearer than a broadcast (every replicated factor is communicated),
 #: costly preconditioning and a dear all-reduce start-up: ConvNet's conv (owner rank 0)
 #: and conv2 (owner rank 1) go to their owners, fc1 and fc2 the replicated way
-#: (tests/planning/test_paths.py checks the plan itself).
+#: (tests/planning/test_gradient_paths.py checks the plan itself).
 MIXED = CostModel(
     inverse=PolynomialInverseModel(c0=1e-4, c2=0.0, c3=3e-7),
     broadcast=AlphaBetaModel(alpha=1e-5, beta=1e-9),
