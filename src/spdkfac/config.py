@@ -94,8 +94,10 @@ class KFACConfig:
         skip_layers: Module names (a name also skips its children), ``"re:<pattern>"``
             (names the regular expression matches whole), class names (``"Embedding"``)
             or module types.
-        strategy: ``"spd-kfac"`` (default), ``"mpd-kfac"``, ``"d-kfac"`` or ``"osawa"``: a
-            row of :data:`spdkfac.strategies.STRATEGIES`; or ``"auto"``: the fastest of
+        strategy: ``"spd-kfac"`` (default), ``"mpd-kfac"``, ``"d-kfac"``, ``"osawa"`` or
+            ``"layer-paths"`` (each layer osawa's way or SPD-KFAC's, whichever the cost
+            model prices lower): a row of :data:`spdkfac.strategies.STRATEGIES`; or
+            ``"auto"``: the fastest of
             ``auto_candidates``, measured during the first refresh cycles
             (:mod:`spdkfac.engine.autotune`; not with the ``placement`` / ``factor_exchange``
             overrides).

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from spdkfac.planning.broadcasts import BroadcastPolicy, FusedBroadcasts, PerFactorBroadcasts
-from spdkfac.planning.final import OWNER_COMPUTES, REPLICATED, FinalPolicy
+from spdkfac.planning.final import LAYER_PATHS, OWNER_COMPUTES, REPLICATED, FinalPolicy
 from spdkfac.planning.fusion import FUSION_POLICIES, FusionPolicy
 from spdkfac.planning.placement import PLACEMENT_POLICIES, PlacementPolicy
 from spdkfac.planning.schedule import FIFO, SCHEDULER_POLICIES, SchedulerPolicy
@@ -199,7 +199,9 @@ def _algorithm(
 #: (round-robin, every inverse broadcast), SPD-KFAC (Shi, Zhang, Li 2021: pipelined
 #: optimal fusion, load-balanced CT/NCT placement) and Osawa et al. 2019's hybrid
 #: data/model-parallel design (reduce-scatter to layer owners, owners invert and
-#: precondition, all-gather of the preconditioned gradients).
+#: precondition, all-gather of the preconditioned gradients); and ``layer-paths``, which
+#: sends each layer Osawa's way or SPD-KFAC's by the cost model
+#: (:func:`~spdkfac.planning.paths.plan_gradient_paths`).
 _ALGORITHMS: dict[str, Strategy] = {
     row.name: row
     for row in (
@@ -231,6 +233,15 @@ _ALGORITHMS: dict[str, Strategy] = {
             PerFactorBroadcasts(),
             "Osawa et al.: reduce-scatter to layer owners, owners precondition, all-gather",
             final=OWNER_COMPUTES,
+        ),
+        _algorithm(
+            "layer-paths",
+            "after-backward",
+            "balanced",
+            FusedBroadcasts(),
+            "per layer by the cost model: osawa's owner path or SPD-KFAC's replicated "
+            "inverses (balanced CT/NCT)",
+            final=LAYER_PATHS,
         ),
     )
 }

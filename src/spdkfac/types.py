@@ -30,7 +30,7 @@ SkipEntry = str | type[nn.Module]
 
 #: Names ``strategy=`` accepts (rows of :data:`spdkfac.strategies.STRATEGIES` that are
 #: algorithms, the ablations being reached with the overrides below; or ``"auto"``).
-StrategyName = Literal["d-kfac", "mpd-kfac", "spd-kfac", "osawa", "auto"]
+StrategyName = Literal["d-kfac", "mpd-kfac", "spd-kfac", "osawa", "layer-paths", "auto"]
 #: Fusion policies (:data:`spdkfac.planning.fusion.FUSION_POLICIES`).
 FactorExchangeName = Literal["after-backward", "layerwise", "threshold", "optimal", "dp"]
 #: Communication schedulers (:data:`spdkfac.planning.schedule.COMM_SCHEDULERS`).

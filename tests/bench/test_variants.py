@@ -22,6 +22,7 @@ def test_table_builds_the_expected_kwargs() -> None:
         "mpd-kfac": {"strategy": "mpd-kfac"},
         "spd-kfac": {"strategy": "spd-kfac"},
         "osawa": {"strategy": "osawa"},
+        "layer-paths": {"strategy": "layer-paths"},
         "osawa-pipelined": {"strategy": "osawa", "factor_exchange": "optimal"},
         "placement-only": {"strategy": "spd-kfac", "factor_exchange": "after-backward"},
         "pipelining-only": {"strategy": "d-kfac", "factor_exchange": "optimal"},

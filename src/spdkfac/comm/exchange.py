@@ -15,7 +15,10 @@ depend on local data or on the order hooks fire in.
 
 With ``owners`` (Osawa et al. 2019, Sec. 3: ReduceScatterV), each bucket is laid out by
 owner rank and reduce-scattered instead: a slot's global factor arrives at its owner
-only, every other rank gets None for it (and keeps no copy).
+only, every other rank gets None for it (and keeps no copy). Slots owned by
+``EVERY_RANK`` (a layer every rank preconditions, beside owned ones: the ``layer-paths``
+strategy) sit after the owned ones and are all-reduced: a bucket holding both issues one
+reduce-scatter and one all-reduce, the same on every rank.
 """
 
 from __future__ import annotations
@@ -154,21 +157,29 @@ class FactorExchange:
         # With owners, per bucket: elements per owner (its chunk of the reduce-scatter).
         self._chunks: list[list[int]] = []
         self._received: dict[int, Future[Tensor]] = {}
+        world = self._communicator.world_size
         for bucket_index, bucket in enumerate(plan.buckets):
             offset = 0
             owners = self._owners
-            chunks = [0] * self._communicator.world_size
-            # Laid out by owner (stable), so each owner's slots form one chunk.
-            for key in bucket if owners is None else sorted(bucket, key=owners.__getitem__):
+            chunks = [0] * world
+            # Laid out by owner (stable), so each owner's slots form one chunk; the slots
+            # every rank receives (EVERY_RANK, -1) last.
+            for key in bucket if owners is None else sorted(bucket, key=self._position):
                 self._location[key] = (bucket_index, offset)
                 offset += packed_size(self._dims[key])
-                if owners is not None:
+                if owners is not None and owners[key] >= 0:
                     chunks[owners[key]] += packed_size(self._dims[key])
             self._chunks.append(chunks)
             device = self._communicator.device
             self._buffers.append(torch.zeros(offset, dtype=self._comm_dtype, device=device))
         self._missing = [len(bucket) for bucket in plan.buckets]
         self._next = 0
+
+    def _position(self, key: str) -> int:
+        """Layout order of an owned slot: its owner's rank, every rank's slots last."""
+        assert self._owners is not None
+        owner = self._owners[key]
+        return owner if owner >= 0 else self._communicator.world_size
 
     def add(self, key: str, factor: Tensor, weight: float) -> bool:
         """Contribute this rank's final factor for ``key`` this step.
@@ -251,16 +262,21 @@ class FactorExchange:
         if self._owners is None:
             self._futures.append(self._communicator.all_reduce_sum(buffer))
         else:
-            future = self._communicator.reduce_scatter(list(buffer.split(self._chunks[index])))
-            self._received[index] = future
-            self._futures.append(future)
+            owned = sum(self._chunks[index])
+            if owned:
+                pieces = list(buffer[:owned].split(self._chunks[index]))
+                future = self._communicator.reduce_scatter(pieces)
+                self._received[index] = future
+                self._futures.append(future)
+            if owned < buffer.numel():  # the slots every rank receives, summed in place
+                self._futures.append(self._communicator.all_reduce_sum(buffer[owned:]))
         self._next = index + 1
 
     def _reduced(self, key: str) -> Tensor | None:
         """The summed packed slot, or None where it did not arrive (another owner's)."""
         bucket, offset = self._location[key]
         size = packed_size(self._dims[key])
-        if self._owners is None:
+        if self._owners is None or self._owners[key] < 0:
             return self._buffers[bucket][offset : offset + size]
         rank = self._communicator.rank
         if self._owners[key] != rank:

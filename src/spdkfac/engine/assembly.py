@@ -5,7 +5,7 @@ from its axis objects. ``strategy="auto"`` builds the stages again for each cand
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -14,22 +14,37 @@ from spdkfac.comm.ddp_hooks import SwitchableHook
 from spdkfac.comm.pipeline import FactorRoute
 from spdkfac.comm.scheduler import CommScheduler
 from spdkfac.config import KFACConfig
-from spdkfac.curvature import FactorCollector
+from spdkfac.curvature import CurvatureBlock, FactorCollector
 from spdkfac.engine.final import EngineParts, FinalStage, StageInputs
 from spdkfac.engine.inversion import InversePhase, ResultDelivery
 from spdkfac.engine.owners import OwnerStage
 from spdkfac.engine.replicated import ReplicatedStage
-from spdkfac.planning.final import OWNER_COMPUTES, REPLICATED, FinalPolicy
+from spdkfac.planning.final import LAYER_PATHS, OWNER_COMPUTES, REPLICATED, FinalPolicy
+from spdkfac.planning.paths import LayerGradient
 from spdkfac.planning.placement import Plan
 from spdkfac.planning.schedule import FACTORS, GRADIENTS
 from spdkfac.strategies import Strategy
 
-__all__ = ["FINAL_STAGES", "Assembler", "Stages"]
+__all__ = ["FINAL_STAGES", "Assembler", "Stages", "layer_gradients"]
 
 #: The final stage each final-stage policy builds.
 FINAL_STAGES: Mapping[FinalPolicy, Callable[[StageInputs], FinalStage]] = MappingProxyType(
-    {REPLICATED: ReplicatedStage, OWNER_COMPUTES: OwnerStage}
+    {REPLICATED: ReplicatedStage, OWNER_COMPUTES: OwnerStage, LAYER_PATHS: OwnerStage}
 )
+
+
+def layer_gradients(blocks: Sequence[CurvatureBlock]) -> list[LayerGradient]:
+    """The blocks with placed factors as the placement and the path planner see them:
+    their factors and the elements of their gradient matrix (``[g, a]``; a diagonal A's
+    side is its vector's length)."""
+    layers = []
+    for block in blocks:
+        specs = block.inverse_specs()
+        if specs:
+            shapes = block.state_shapes()
+            elements = shapes["g_factor"][0] * shapes["a_factor"][0]
+            layers.append(LayerGradient(block.name, elements, tuple(specs)))
+    return layers
 
 
 @dataclass(frozen=True)
@@ -85,9 +100,9 @@ class Assembler:
         """Plan the placement and build the stages of ``composition`` (no collective)."""
         parts = self.parts
         assert composition.fusion is not None and composition.placement_policy is not None
-        specs = [spec for block in parts.blocks for spec in block.inverse_specs()]
         world = parts.communicator.world_size
-        plan = composition.placement_policy.plan(specs, world, parts.costs)
+        policy = composition.placement_policy
+        plan = composition.final.place(policy, layer_gradients(parts.blocks), world, parts.costs)
         scheduler = self.scheduler if composition.scheduler.orders_traffic else None
         if self.hooks is not None:
             self.hooks.use(None)  # DDP's all-reduce unless the final stage routes it

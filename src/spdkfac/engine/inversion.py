@@ -88,10 +88,11 @@ def invert_factors(
     flags ends the phase, so every rank replaces the same factors by their ``previous``
     inverse.
 
-    With ``delivery.owners_keep`` (Osawa et al.'s owner-computes exchange) ``factors``
-    holds this rank's own factors only: each rank inverts what it owns and nothing is
-    broadcast; the failure flags still cover every factor of the plan, so the all-reduce
-    is the same on every rank.
+    With ``delivery.owners_keep`` (Osawa et al.'s owner-computes exchange) the factors of
+    the plan's ``owner_layers`` are held by their owners only: each owner inverts its own
+    and keeps them, nothing of theirs is broadcast; the other factors (a ``layer-paths``
+    plan's replicated layers) are placed and broadcast as above. The failure flags then
+    cover every factor of the plan, so the all-reduce is the same on every rank.
     """
     profiler = profiler or Profiler()
     keys = [spec.key for spec in plan.factors if spec.key in factors]
@@ -100,23 +101,23 @@ def invert_factors(
     if communicator.world_size == 1:
         invert(keys)
         return _outcome(invert.inverses, invert.failed, previous)
-    if delivery.owners_keep:
-        invert(keys)
-        every = [spec.key for spec in plan.factors]
-        failed = _agree_failures(communicator, every, invert.failed, profiler)
-        return _outcome(invert.inverses, failed, previous)
-    groups = broadcast_groups(plan, factors, delivery.min_group_elements, invert.form.wire_size)
+    kept = {s.key for s in plan.factors if delivery.owners_keep and s.layer in plan.owner_layers}
+    shared = {key: factor for key, factor in factors.items() if key not in kept}
+    groups = broadcast_groups(plan, shared, delivery.min_group_elements, invert.form.wire_size)
     pending = _send_and_post(groups, invert, communicator)
+    # The owners' own and the non-communicated ones overlap the broadcasts.
     invert(
         [
             spec.key
             for spec, owner in zip(plan.factors, plan.owners, strict=True)
-            if owner == EVERY_RANK and spec.key in factors
+            if spec.key in factors and (spec.key in kept or owner == EVERY_RANK)
         ]
     )
     _receive(pending, invert, communicator.rank, profiler)
-    # The keys are replicated (factors are), so every rank issues this alike.
-    failed = _agree_failures(communicator, keys, invert.failed, profiler)
+    # The keys are replicated (factors are, but for the owners' own), so every rank
+    # issues this alike.
+    agreed = [spec.key for spec in plan.factors] if kept else keys
+    failed = _agree_failures(communicator, agreed, invert.failed, profiler)
     return _outcome(invert.inverses, failed, previous)
 
 

@@ -7,9 +7,10 @@ averaged by a reduce-scatter — under ``DistributedDataParallel`` through a com
 hook that replaces DDP's all-reduce, otherwise issued here at the step — the owner
 preconditions its layers with the factors and inverses only it holds, and the
 preconditioned gradients are all-gathered, so every rank applies the same update.
-Blocks without placed factors (normalization layers, grouped convolutions) and
-parameters of no block are averaged on every rank and preconditioned everywhere, as in
-the other strategies.
+Blocks without placed factors (normalization layers, grouped convolutions), the layers
+a ``layer-paths`` plan sends the replicated way (:mod:`spdkfac.planning.paths`: not in
+its ``owner_layers``) and parameters of no block are averaged on every rank (all-gathered
+whole under FSDP2) and preconditioned everywhere, as in the other strategies.
 
 One small all-reduce per step carries the KL clip's partial sums, a non-finite flag and
 which owned layers have a gradient; every rank decides from its result alone whether to
@@ -46,15 +47,18 @@ __all__ = [
 
 
 def block_owners(blocks: Sequence[CurvatureBlock], plan: Plan) -> dict[str, int]:
-    """Owner rank of each block (``EVERYONE`` for blocks without placed factors).
+    """Owner rank of each of the plan's owner layers; ``EVERYONE`` for the other blocks
+    (without placed factors, or a ``layer-paths`` plan's replicated layers).
 
     Raises:
-        ValueError: When a block's factors have different owners (the placement does not
-            own layers).
+        ValueError: When an owner layer's factors have different owners.
     """
     owners = plan.owner_by_key
     result: dict[str, int] = {}
     for block in blocks:
+        if block.name not in plan.owner_layers:
+            result[block.name] = EVERYONE
+            continue
         ranks = {owners[spec.key] for spec in block.inverse_specs()}
         if len(ranks) > 1 or EVERY_RANK in ranks:
             raise ValueError(

@@ -102,6 +102,9 @@ class Plan:
         factors: The factors, in the order given to the planner.
         owners: Owner rank per factor, aligned with ``factors`` (``EVERY_RANK`` for NCT).
         predicted_seconds: Predicted inversion time per factor, aligned with ``factors``.
+        owner_layers: Layers whose owner keeps its results and preconditions the layer
+            itself (nothing broadcast): every layer of ``layer-owners``, the owner-path
+            layers of :func:`~spdkfac.planning.paths.plan_gradient_paths`.
     """
 
     placement: str
@@ -109,6 +112,7 @@ class Plan:
     factors: tuple[FactorSpec, ...]
     owners: tuple[int, ...]
     predicted_seconds: tuple[float, ...]
+    owner_layers: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -124,6 +128,11 @@ class Plan:
                     f"owner of {spec.key} must be in [0, {self.world_size}) or "
                     f"EVERY_RANK, got {owner}"
                 )
+        ranks = {(s.layer, o) for s, o in zip(self.factors, self.owners, strict=True)}
+        for layer in self.owner_layers:
+            owners = {owner for name, owner in ranks if name == layer}
+            if len(owners) != 1 or EVERY_RANK in owners:
+                raise ValueError(f"owner layer {layer!r} must have one owner rank, got {owners}")
 
     @property
     def owner_by_key(self) -> Mapping[str, int]:
@@ -289,6 +298,7 @@ def plan_layer_owners(
         factors=tuple(factors),
         owners=tuple(owner_of[spec.layer] for spec in factors),
         predicted_seconds=_predicted(factors, cost_model),
+        owner_layers=frozenset(owner_of),
     )
 
 

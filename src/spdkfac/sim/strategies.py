@@ -57,12 +57,16 @@ __all__ = [
 
 #: Every strategy row the simulator knows: SGD and the rows of the one strategy table
 #: (names match ``spdkfac bench``'s variants).
-STRATEGY_TABLE: dict[str, Strategy] = {SGD.name: SGD, **STRATEGIES}
+#: ``layer-paths`` (each layer's gradient path by the cost model) is not modelled yet.
+STRATEGY_TABLE: dict[str, Strategy] = {
+    SGD.name: SGD,
+    **{name: row for name, row in STRATEGIES.items() if not row.final.chooses_paths},
+}
 #: Every name :func:`selection` takes: the rows, and the ``strategy=`` values that are
 #: no row (``"auto"``).
 SELECTION_NAMES: tuple[str, ...] = (
     *STRATEGY_TABLE,
-    *(name for name in STRATEGY_NAMES if name not in STRATEGY_TABLE),
+    *(name for name in STRATEGY_NAMES if name not in STRATEGIES),
 )
 DEFAULT_STRATEGIES: tuple[str, ...] = (
     "d-kfac",
@@ -269,6 +273,10 @@ def prepare(
     Raises:
         ValueError: A plan that does not fit, or an unknown ``comm_scheduler``.
     """
+    if strategy.final.chooses_paths:
+        raise ValueError(
+            f"strategy={strategy.name!r}: the simulator does not model per-layer gradient paths yet"
+        )
     scheduler = window_policy(comm_scheduler)
     world_size = costs.world_size
     grad_buckets = _grad_buckets(costs) if world_size > 1 else ()
