@@ -111,3 +111,24 @@ def test_a_sharded_checkpoint_is_refused_without_fsdp(
     again = _ranks(*common, "--max-steps", "2", "--resume")
     assert again.returncode == 1
     assert "incompatible configuration (differs in fsdp)" in again.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.usefixtures("here")
+def test_a_two_rank_checkpoint_resumes_on_one_process(
+    tiny_fashion_mnist: Path, tmp_path: Path
+) -> None:
+    """DCP reshards: osawa's owners' layers and the model's shards, saved by two ranks, load
+    whole on one process (the model unsharded there), which trains on and checkpoints."""
+    common = ["--data", str(tiny_fashion_mnist), "--model", "cnn", "--epochs", "1",
+              "--batch-size", "16", "--out-dir", str(tmp_path), "--no-tensorboard", "--fsdp",
+              "--strategy", "osawa", "--checkpoint-every", "2"]  # fmt: skip
+    first = _ranks(*common, "--max-steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    code, out, err = spdkfac_on_rank(0, 1, ["train", *common, "--max-steps", "3", "--resume"])
+    assert code == 0, err[-3000:]
+    assert "resuming a 2-rank checkpoint on 1 ranks" in out and "at step 2" in out
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-00000003"
+    state = _final_state(tmp_path, tmp_path)
+    assert state["kfac"]["layers"] and all(
+        torch.isfinite(t).all() for t in _tensors(state["model"]).values()
+    )
