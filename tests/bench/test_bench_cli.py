@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from spdkfac.bench.runner import BenchOptions, run_worker
 from spdkfac.cli import bench as bench_cli
 from spdkfac.cli import main
 
@@ -49,10 +50,44 @@ def test_two_ranks_end_to_end(
     assert "bench [" in result.err  # rank 0's progress bar
 
 
+def test_two_ranks_under_fsdp2(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--layout fsdp``: SGD, spd-kfac and osawa rows with every variant's model sharded
+    by FSDP2 (the report and results.json say so; no DDP bucket is timed)."""
+    out = tmp_path / "out"
+    argv = [
+        "bench", "--model", "mlp", "--iters", "3", "--warmup", "1", "--chunk", "2",
+        "--variants", "sgd,spd-kfac,variant:osawa", "--nproc", "2", "--out-dir", str(out),
+        "--timeout", "120", "--input-size", "8", "--factor-examples", "16",
+        "--layout", "fsdp",
+    ]  # fmt: skip
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    code = main(argv)
+    result = capfd.readouterr()
+    assert code == 0, result.err[-3000:]
+    report = (out / "report.md").read_text()
+    assert report.startswith("# spdkfac bench: mlp, 2 rank(s) x batch 32 under FSDP2, link")
+    assert "sharded by FSDP2" in report and "--layout fsdp" in report.splitlines()[2]
+    results = json.loads((out / "results.json").read_text())
+    assert results["layout"] == "fsdp"
+    assert [v["name"] for v in results["variants"]] == ["sgd", "spd-kfac", "osawa"]
+    for variant in results["variants"]:
+        assert len(variant["times"]) == 2 and all(len(t) == 3 for t in variant["times"])
+        assert variant["breakdown"]["FF&BP"] > 0
+    sgd, spd, osawa = (variant["breakdown"] for variant in results["variants"])
+    assert sgd["GradComm"] == spd["GradComm"] == 0  # FSDP2's reduce-scatters: in backward
+    assert osawa["GradComm"] > 0  # the owners' reduce-scatter and the return of results
+    assert spd["FactorComm"] > 0
+
+
 @pytest.mark.parametrize(
     "flags",
     [
         ["--iters", "0"],
+        ["--layout", "fsdp2"],
+        ["--nproc", "1", "--layout", "fsdp"],
         ["--iters", "3", "--warmup", "3"],
         ["--variants", "sgd,adam"],
         ["--variants", ""],
@@ -105,3 +140,14 @@ def test_missing_cost_model_file_is_named(
     missing = tmp_path / "costs.json"
     assert main(["bench", "--cost-model", str(missing)]) == 1
     assert str(missing) in capsys.readouterr().err
+
+
+def test_bench_options_refuse_an_unknown_layout_and_fsdp_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The library's checks, for callers that skip the CLI: before any collective."""
+    with pytest.raises(ValueError, match="layout must be one of ddp, fsdp, got 'fsdp2'"):
+        BenchOptions(layout="fsdp2")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="layout 'fsdp' needs at least 2 ranks"):
+        run_worker(BenchOptions(layout="fsdp", model="mlp", iters=2, warmup=1))

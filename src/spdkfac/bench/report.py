@@ -55,7 +55,8 @@ def _header(results: BenchResults) -> list[str]:
     settings, machine, costs = results.settings, results.machine, results.cost_model
     lines = [
         f"# spdkfac bench: {results.model}, {results.world_size} rank(s) x batch "
-        f"{results.batch_size}, link {results.link}",
+        f"{results.batch_size}{' under FSDP2' if results.layout == 'fsdp' else ''}, "
+        f"link {results.link}",
         "",
         f"command: `{results.command}`",
         "",
@@ -73,11 +74,26 @@ def _header(results: BenchResults) -> list[str]:
         "backward, K-FAC step, optimizer step); warm-up iterations are left out of every "
         "number. Breakdown categories are those of the SPD-KFAC paper's Fig. 9, from the "
         "profiler's spans, each moment counted once (communication = time spent waiting). "
-        "GradComm is measured from the launch of DDP's last gradient bucket (a timed "
-        "communication hook) to the return of backward().",
+        + _grad_comm_note(results.layout),
         "",
     ]
     return lines
+
+
+def _grad_comm_note(layout: str) -> str:
+    if layout == "fsdp":
+        return (
+            "Every variant's model is sharded by FSDP2 (`fully_shard` of each unit, then the "
+            "root, on a 1-D mesh), not wrapped in DDP: its parameter all-gathers and gradient "
+            "reduce-scatters run inside forward and backward and count in FF&BP. GradComm "
+            "is then only K-FAC's own gradient traffic where it is spanned as such (osawa's "
+            "reduce-scatter to the owners and the return of their results); the replicated "
+            "strategies' gathers of the sharded gradients count in their step's phases."
+        )
+    return (
+        "GradComm is measured from the launch of DDP's last gradient bucket (a timed "
+        "communication hook) to the return of backward()."
+    )
 
 
 def _timing(size: int, seconds: float) -> str:

@@ -65,6 +65,8 @@ class BenchResults:
     the profiler counts inside ``FactorComm`` and no fusion policy can hide.
     ``link_measurement`` is an emulated link's setting and measured rate
     (:meth:`spdkfac.bench.link.MeasuredLink.to_json`); empty on loopback and under torchrun.
+    ``layout`` is how every variant's model was distributed: ``"ddp"``
+    (``DistributedDataParallel``, or the plain model on one rank) or ``"fsdp"`` (FSDP2).
     """
 
     command: str
@@ -78,6 +80,7 @@ class BenchResults:
     cost_model: Mapping[str, Any] = field(default_factory=dict)
     factor_unpack: float = 0.0
     link_measurement: Mapping[str, Any] = field(default_factory=dict)
+    layout: str = "ddp"
 
     def variant(self, name: str) -> VariantResult | None:
         """The result of variant ``name``, None when it did not run."""
@@ -118,6 +121,7 @@ class BenchResults:
             cost_model=dict(data.get("cost_model", {})),
             factor_unpack=float(data.get("factor_unpack", 0.0)),
             link_measurement=dict(data.get("link_measurement") or {}),
+            layout=str(data.get("layout", "ddp")),  # files written before FSDP2 rows: DDP
         )
 
     def save(self, path: str | Path) -> Path:

@@ -32,6 +32,7 @@ from spdkfac.comm import (
     init_distributed,
     timed_allreduce_hook,
 )
+from spdkfac.comm.fsdp import fully_shard_model
 from spdkfac.config import KFACConfig, resolve_config
 from spdkfac.costmodel import CostModel, resolve_cost_model
 from spdkfac.data.text import VOCAB_SIZE
@@ -44,7 +45,10 @@ from spdkfac.support.checks import check_number
 from spdkfac.training.loop import StepHooks, cross_entropy_pass, train_step
 from spdkfac.training.setup import configure_cpu
 
-__all__ = ["BenchOptions", "Progress", "run_worker"]
+__all__ = ["LAYOUTS", "BenchOptions", "Progress", "run_worker"]
+
+#: ``--layout`` values: every variant's model under DDP, or sharded by FSDP2.
+LAYOUTS: tuple[str, ...] = ("ddp", "fsdp")
 
 #: ``progress(done, total, text)``, called on rank 0 after every iteration.
 Progress = Callable[[int, int, str], None]
@@ -70,6 +74,7 @@ class BenchOptions:
     factor_update_steps: int = 1
     inv_update_steps: int = 1
     fusion_warmup_steps: int | None = None
+    layout: str = "ddp"
     lr: float = 0.01
     damping: float = check_number("damping", KFACConfig().damping)  # the library's default
     factor_examples: int | None = None
@@ -83,6 +88,10 @@ class BenchOptions:
     link: str = "loopback"
     command: str = "spdkfac bench"
     timeout: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
     @property
     def planning_steps(self) -> int:
@@ -153,7 +162,11 @@ class _VariantRun:
         torch.manual_seed(options.seed)  # the same initial weights for every variant
         model = _build(options)
         self.launches = BucketLaunches()
-        ddp = nn.parallel.DistributedDataParallel(model) if comm.world_size > 1 else None
+        ddp = None
+        if options.layout == "fsdp":  # sharded in place, before K-FAC is built on it
+            fully_shard_model(model, world_size=comm.world_size, device_type=comm.device.type)
+        elif comm.world_size > 1:
+            ddp = nn.parallel.DistributedDataParallel(model)
         model = ddp or model
         self.model = model
         self.optimizer = torch.optim.SGD(model.parameters(), lr=options.lr, momentum=0.9)
@@ -339,6 +352,8 @@ def run_worker(options: BenchOptions, progress: Progress | None = None) -> int:
 def _run_worker(options: BenchOptions, progress: Progress | None) -> int:
     comm = init_distributed("gloo", timeout=timedelta(seconds=options.timeout))
     try:
+        if options.layout == "fsdp" and comm.world_size == 1:  # no collective yet
+            raise ValueError("layout 'fsdp' needs at least 2 ranks (FSDP2 shards over them)")
         probe = _build(options)
         costs, cost_info = _resolve_costs(options, comm, probe)
         unpack = unpack_seconds(probe)
@@ -364,6 +379,7 @@ def _run_worker(options: BenchOptions, progress: Progress | None) -> int:
                 machine=_machine(options, comm),
                 cost_model=cost_info,
                 factor_unpack=unpack,
+                layout=options.layout,
             )
             outputs = write_bench_outputs(
                 results,

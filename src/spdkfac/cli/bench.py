@@ -16,8 +16,8 @@ from spdkfac.bench.link import MeasuredLink
 from spdkfac.bench.linkprobe import probe_cluster
 from spdkfac.bench.netns import Cluster, available, check_rate, emulated_cluster
 from spdkfac.bench.report import record_link
-from spdkfac.bench.runner import BenchOptions, run_worker
-from spdkfac.bench.variants import PRESETS, VARIANTS, parse_variants
+from spdkfac.bench.runner import LAYOUTS, BenchOptions, run_worker
+from spdkfac.bench.variants import ONE_VARIANT, PRESETS, VARIANTS, parse_variants
 from spdkfac.cli.arguments import non_negative_int, positive_float, positive_int
 from spdkfac.config import KFACConfig
 from spdkfac.models import MODEL_NAMES, TEXT_MODELS
@@ -31,7 +31,7 @@ _FORWARDED = (
     "model", "iters", "warmup", "chunk", "batch_size", "threads", "factor_update_steps",
     "inv_update_steps", "fusion_warmup_steps", "lr", "damping", "input_size", "in_channels",
     "seed", "cost_model", "trace_iters", "out_dir", "timeout", "factor_examples",
-    "flush_denormal",
+    "flush_denormal", "layout",
 )  # fmt: skip
 _PROBE_TIMEOUT = 120.0  # one measurement of the emulated link takes ~10 s on 2 ranks here
 
@@ -78,6 +78,13 @@ def add_parser(verbs: Any) -> None:
         default=PRESETS["main"],
         help=f"comma list of {', '.join(VARIANTS)} or presets ({presets}; a preset wins "
         "over the variant of its name, variant:NAME is the variant alone); default main",
+    )
+    add(
+        "--layout",
+        choices=LAYOUTS,
+        default="ddp",
+        help="every variant's model under DistributedDataParallel (ddp) or sharded by FSDP2 "
+        "(fsdp: fully_shard of each unit and the root; needs 2 or more ranks)",
     )
     add("--iters", type=positive_int, default=30, help="iterations per variant (with warm-up)")
     add("--warmup", type=non_negative_int, default=3, help="iterations per variant not counted")
@@ -128,7 +135,10 @@ def add_parser(verbs: Any) -> None:
 
 
 def _forwarded_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--variants", ",".join(args.variants)]
+    # A variant named like a preset (osawa, auto) travels as variant:NAME, or the ranks
+    # would expand the preset.
+    names = [ONE_VARIANT + name if name in PRESETS else name for name in args.variants]
+    flags = ["--variants", ",".join(names)]
     for dest in _FORWARDED:
         value = getattr(args, dest)
         flag = "--" + dest.replace("_", "-")
@@ -185,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
     problem = output_dir_problem(args.out_dir)
     if problem is not None:  # before any rank runs, not once the benchmark is done
         args.bench_parser.error(f"--out-dir: {problem}")
+    ranks = int(os.environ.get("WORLD_SIZE", args.nproc))
+    if args.layout == "fsdp" and ranks < 2:  # before any rank or process group starts
+        args.bench_parser.error(f"--layout fsdp needs 2 or more ranks, got {ranks}")
     if "WORLD_SIZE" in os.environ:
         label = args.link_label or f"as launched by torchrun ({os.environ['WORLD_SIZE']} ranks)"
         return run_worker(_options(args, label), _Progress())

@@ -122,8 +122,9 @@ _HELP: dict[str, str] = {
     "target_accuracy": "test accuracy whose time-to-reach (at the first evaluation reaching "
     "it) is reported (image datasets)",
     "fsdp": "shard the model with FSDP2 (fully_shard of its blocks, or of each child with "
-    "parameters, and of the root, on a 1-D mesh over the world) instead of DDP; no "
-    "checkpoints (not with --checkpoint-every, --resume, --weight-rescaling, muon, soap)",
+    "parameters, and of the root, on a 1-D mesh over the world) instead of DDP; "
+    "checkpoints through torch.distributed.checkpoint (not with --weight-rescaling, muon, "
+    "soap)",
     "hsdp_replicas": "with --fsdp: HSDP, a 2-D mesh of N replicas x WORLD/N shards (N must "
     "divide the world size)",
     "tensorboard": "write TensorBoard logs when the tensorboard package is installed",

@@ -206,8 +206,7 @@ class TrainConfig:
         self._check_fsdp()
 
     def _check_fsdp(self) -> None:
-        """``fsdp`` trains without checkpoints, and only with what was tested under it;
-        ``hsdp_replicas`` needs it."""
+        """``fsdp`` trains only with what was tested under it; ``hsdp_replicas`` needs it."""
         if self.hsdp_replicas is not None:
             check_int("hsdp_replicas", self.hsdp_replicas, low=1)
             if not self.fsdp:
@@ -215,8 +214,6 @@ class TrainConfig:
         if not self.fsdp:
             return
         refused = [
-            ("checkpoint_every", self.checkpoint_every > 0),
-            ("resume", self.resume),
             ("weight_rescaling", self.weight_rescaling),
             (
                 f"optimizer {self.optimizer!r}",
@@ -226,8 +223,8 @@ class TrainConfig:
         named = [name for name, given in refused if given]
         if named:
             raise ValueError(
-                f"fsdp does not support {', '.join(named)} (checkpoints of sharded runs are "
-                "not built yet; optimizers: sgd, kfac, adamw, kfac-adamw)"
+                f"fsdp does not support {', '.join(named)} (not built for sharded "
+                "parameters yet; optimizers: sgd, kfac, adamw, kfac-adamw)"
             )
 
     def _plain_numbers(self) -> None:

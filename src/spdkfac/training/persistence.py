@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,9 +40,14 @@ __all__ = [
     "KEEP_CHECKPOINTS",
     "CheckpointPayload",
     "Restored",
+    "agree_on_restore",
+    "common_record",
     "prune_checkpoints",
+    "read_common",
+    "read_latest",
     "restore_checkpoint",
     "save_checkpoint",
+    "unfit",
 ]
 
 #: How many checkpoints :func:`save_checkpoint` keeps: the one ``latest`` names and the
@@ -91,6 +96,19 @@ class Restored:
     rank_state: dict[str, Any] | None
 
 
+def common_record(payload: CheckpointPayload, world_size: int) -> dict[str, Any]:
+    """The entries of ``common.pt`` besides the model's, the optimizer's and K-FAC's state:
+    format, configuration, world size, step, training time and metrics."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "config": payload.config.to_dict(),
+        "world_size": world_size,
+        "step": payload.step,
+        "train_seconds": payload.train_seconds,
+        "metrics": list(payload.metrics),
+    }
+
+
 def save_checkpoint(root: Path, comm: Communicator, payload: CheckpointPayload) -> None:
     """Write the checkpoint of ``payload.step`` under ``root`` (``OUT/checkpoints``) and
     point ``latest`` at it.
@@ -108,12 +126,7 @@ def save_checkpoint(root: Path, comm: Communicator, payload: CheckpointPayload) 
         atomic_torch_save(
             directory / "common.pt",
             {
-                "format": CHECKPOINT_FORMAT,
-                "config": payload.config.to_dict(),
-                "world_size": comm.world_size,
-                "step": payload.step,
-                "train_seconds": payload.train_seconds,
-                "metrics": list(payload.metrics),
+                **common_record(payload, comm.world_size),
                 "model": payload.module.state_dict(),
                 "optimizer": payload.optimizer.state_dict(),
                 "preconditioner": precond_state,
@@ -170,6 +183,25 @@ def restore_checkpoint(
             its checkpoint (naming the rank, the file and the reason) or when ranks found
             different checkpoints.
     """
+    return read_latest(
+        root,
+        comm,
+        lambda directory: _apply(directory, comm, config, module, optimizer, preconditioner),
+    )
+
+
+def read_latest(
+    root: Path, comm: Communicator, read: Callable[[Path], Restored]
+) -> Restored | None:
+    """``read`` the checkpoint ``latest`` names under ``root`` on every rank, then agree.
+
+    A collective (one all-gather): every rank calls it. Returns None when no rank found a
+    checkpoint.
+
+    Raises:
+        CheckpointError: The same one on every rank when ``read`` failed on a rank (naming
+            the rank and the reason) or when ranks found different checkpoints.
+    """
     restored: Restored | None = None
     digest = bytes(32)
     error: str | None = None
@@ -177,13 +209,59 @@ def restore_checkpoint(
         directory = latest_checkpoint(root)
         if directory is not None:
             digest = hashlib.sha256((directory / "common.pt").read_bytes()).digest()
-            restored = _apply(directory, comm, config, module, optimizer, preconditioner)
+            restored = read(directory)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # any local failure must reach the other ranks, not hang them
         error = f"{type(exc).__name__}: {exc}"
-    _agree(comm, restored, digest, error)
+    agree_on_restore(comm, restored, digest, error)
     return restored
+
+
+def read_common(
+    directory: Path, comm: Communicator, config: TrainConfig
+) -> tuple[dict[str, Any], Restored]:
+    """The checkpoint in ``directory``'s ``common.pt`` and what it gives back beside the
+    model's and optimizers' state (this rank's file read too), its configuration checked
+    against ``config``.
+
+    Raises:
+        CheckpointError: Unreadable, written by an incompatible configuration, or missing
+            this rank's file at the same world size.
+    """
+    common = load_common(directory)
+    try:
+        world_size = int(common["world_size"])
+        differing = incompatible_fields(common["config"], config)
+        if differing:
+            raise CheckpointError(
+                f"{directory}: written by an incompatible configuration (differs in "
+                f"{', '.join(differing)}); start a new --out-dir or use the same options"
+            )
+        restored = Restored(
+            directory=directory,
+            step=int(common["step"]),
+            world_size=world_size,
+            train_seconds=float(common["train_seconds"]),
+            metrics=list(common["metrics"]),
+            rank_state=load_rank_state(directory, comm.rank),
+        )
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise unfit(directory / "common.pt", exc) from None
+    if restored.rank_state is None and world_size == comm.world_size:
+        raise CheckpointError(
+            f"{directory / f'rank-{comm.rank}.pt'}: checkpoint file is missing "
+            f"(the checkpoint was written by {world_size} ranks)"
+        )
+    return common, restored
+
+
+def unfit(path: Path, exc: BaseException) -> CheckpointError:
+    """The error of a checkpoint at ``path`` whose state ``exc`` refused."""
+    reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return CheckpointError(f"{path}: does not fit this model and optimizer ({reason})")
 
 
 def _apply(
@@ -194,17 +272,8 @@ def _apply(
     optimizer: torch.optim.Optimizer,
     preconditioner: KFACPreconditioner | None,
 ) -> Restored:
-    common = load_common(directory)
-    path = directory / "common.pt"
+    common, restored = read_common(directory, comm, config)
     try:
-        saved_config = common["config"]
-        world_size = int(common["world_size"])
-        differing = incompatible_fields(saved_config, config)
-        if differing:
-            raise CheckpointError(
-                f"{directory}: written by an incompatible configuration (differs in "
-                f"{', '.join(differing)}); start a new --out-dir or use the same options"
-            )
         module.load_state_dict(common["model"])
         optimizer.load_state_dict(common["optimizer"])
         saved = common["preconditioner"]
@@ -212,24 +281,8 @@ def _apply(
             raise ValueError("it has no K-FAC state" if saved is None else "it has K-FAC state")
         if preconditioner is not None:
             preconditioner.load_state_dict(saved)
-        restored = Restored(
-            directory=directory,
-            step=int(common["step"]),
-            world_size=world_size,
-            train_seconds=float(common["train_seconds"]),
-            metrics=list(common["metrics"]),
-            rank_state=load_rank_state(directory, comm.rank),
-        )
-    except CheckpointError:
-        raise
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-        raise CheckpointError(f"{path}: does not fit this model and optimizer ({reason})") from None
-    if restored.rank_state is None and world_size == comm.world_size:
-        raise CheckpointError(
-            f"{directory / f'rank-{comm.rank}.pt'}: checkpoint file is missing "
-            f"(the checkpoint was written by {world_size} ranks)"
-        )
+        raise unfit(directory / "common.pt", exc) from None
     return restored
 
 
@@ -247,7 +300,12 @@ def _decode(record: Tensor) -> tuple[int, int, bytes, str]:
     return status, step, digest, message
 
 
-def _agree(comm: Communicator, restored: Restored | None, digest: bytes, error: str | None) -> None:
+def agree_on_restore(
+    comm: Communicator, restored: Restored | None, digest: bytes, error: str | None
+) -> None:
+    """Turn a failure on any rank (``error``), or ranks holding different checkpoints
+    (``restored``'s step, ``digest`` of its ``common.pt``), into the same
+    :class:`CheckpointError` on every rank (one all-gather; a no-op check on one rank)."""
     if comm.world_size == 1:
         if error is not None:
             raise CheckpointError(error)

@@ -51,6 +51,7 @@ from spdkfac.training.progress import ProgressBar
 from spdkfac.training.replicas import replicas_identical, state_tensors
 from spdkfac.training.rescaling import rescale_weights_
 from spdkfac.training.setup import configure_cpu, make_optimizers
+from spdkfac.training.sharded import restore_sharded_checkpoint, save_sharded_checkpoint
 from spdkfac.training.tasks import task_for
 
 __all__ = ["EpochMetrics", "TrainSummary", "train"]
@@ -118,11 +119,14 @@ class _Run:
                 "eval_seconds": self.eval_seconds,
             },
         )
-        save_checkpoint(self.checkpoints, self.comm, payload)
+        # --fsdp: through DCP, each rank its shards (on one process too: one format).
+        save = save_sharded_checkpoint if self.config.fsdp else save_checkpoint
+        save(self.checkpoints, self.comm, payload)
         self.saved_step = self.step
 
     def restore(self) -> None:
-        restored = restore_checkpoint(
+        restore = restore_sharded_checkpoint if self.config.fsdp else restore_checkpoint
+        restored = restore(
             self.checkpoints,
             self.comm,
             self.config,
@@ -230,13 +234,13 @@ def _loop(run: _Run) -> TrainSummary:
         f"{config.optimizer}{'/' + config.kfac.strategy if config.uses_kfac else ''} "
         f"{config.model} on {config.dataset}: {comm.world_size} worker(s) x batch "
         f"{config.batch_size}, {run.steps_per_epoch} steps/epoch, {total_steps} steps"
-        + (f", {_sharding(config)} (no checkpoints)" if config.fsdp and comm.world_size > 1 else "")
+        + (f", {_sharding(config)}" if config.fsdp and comm.world_size > 1 else "")
     )
     run.clock.start()
     while run.step < total_steps:
         _epoch(run, schedule)
     run.clock.stop()
-    if run.saved_step != run.step and not config.fsdp:  # --fsdp: no checkpoints yet
+    if run.saved_step != run.step:
         run.save()
     final = run.task.final_scores(run.model, run.data, comm)
     summary = summarize(
