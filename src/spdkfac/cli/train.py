@@ -29,10 +29,13 @@ _UNSET: Any = object()
 _HELP: dict[str, str] = {
     "model": "model name (resnet20/32/56, cnn, mlp, wrn16-4, resnet50/152, densenet121/201, "
     "or torchvision:NAME for a torchvision.models model; gpt: a byte-level language model "
-    "for --dataset text)",
-    "dataset": f"dataset: {', '.join(DATASETS)} (text: a byte-level corpus for --model gpt)",
-    "data": "dataset directory (Fashion-MNIST default: Debian's dataset-fashion-mnist), or "
-    "for text a file or directory (default: Debian's fortunes, /usr/share/games/fortunes)",
+    "for --dataset text or gcide)",
+    "dataset": f"dataset: {', '.join(DATASETS)} (text: a byte-level corpus for --model gpt; "
+    "gcide: the GCIDE dictionary as plain English, about 29 MB, for --model gpt)",
+    "data": "dataset directory (Fashion-MNIST default: Debian's dataset-fashion-mnist), "
+    "for text a file or directory (default: Debian's fortunes, /usr/share/games/fortunes), "
+    "for gcide a .dict.dz or .dict file (default: Debian's dict-gcide, "
+    "/usr/share/dictd/gcide.dict.dz)",
     "image_size": "image side for imagefolder datasets",
     "seq_len": "text: context length in bytes (window of each training example)",
     "gpt_layers": "gpt: transformer blocks",

@@ -52,6 +52,7 @@ __all__ = [
 #: What each dataset holds, matched against :func:`spdkfac.models.model_kind`.
 DATASET_KINDS: dict[str, ModelKind] = {
     "fashion-mnist": "image", "cifar10": "image", "imagefolder": "image", "text": "text",
+    "gcide": "text",
 }  # fmt: skip
 DATASETS: tuple[str, ...] = tuple(DATASET_KINDS)
 #: ``--optimizer``: its base optimizer ("kfac" alone is SGD preconditioned by K-FAC); the
@@ -244,7 +245,8 @@ class TrainConfig:
         if reads != holds:
             raise ValueError(
                 f"model {self.model!r} reads {reads} but dataset {self.dataset!r} holds "
-                f"{holds}; pair image models with image datasets and gpt with --dataset text"
+                f"{holds}; pair image models with image datasets and gpt with --dataset "
+                "text or gcide"
             )
         if holds == "text":
             if self.gpt_dim % self.gpt_heads:
