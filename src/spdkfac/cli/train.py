@@ -59,9 +59,15 @@ _HELP: dict[str, str] = {
     "matrices with AdamW on embeddings, head, norms and biases, soap = SOAP from the "
     "heavyball package)",
     "lr": "peak learning rate",
-    "momentum": "SGD and Muon momentum, in [0, 1) (AdamW and SOAP keep their default betas)",
+    "momentum": "SGD and Muon momentum, in [0, 1) (AdamW's beta1 is 0.9, SOAP keeps its "
+    "default betas)",
     "nesterov": "Nesterov momentum (SGD)",
     "weight_decay": "L2 weight decay after preconditioning (AdamW: decoupled weight decay)",
+    "beta2": "AdamW's second-moment decay beta2, in [0, 1), for every AdamW part (adamw, "
+    "kfac-adamw, muon's AdamW part; beta1 stays 0.9)",
+    "grad_clip": "clip the averaged gradients to this global L2 norm before K-FAC and the "
+    "optimizer step, as torch.nn.utils.clip_grad_norm_ (0: off; a step whose norm is not "
+    "finite is left as is, K-FAC skips it)",
     "lr_schedule": f"learning-rate schedule: {', '.join(LR_SCHEDULES)}",
     "warmup_epochs": "linear learning-rate warm-up, in epochs",
     "warmup_steps": "linear learning-rate warm-up, in optimizer steps (not with --warmup-epochs)",

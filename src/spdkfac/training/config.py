@@ -31,6 +31,7 @@ from spdkfac.training.kfac_options import (
     kfac_from_flat,
     kfac_to_flat,
 )
+from spdkfac.training.recipe import check_recipe
 from spdkfac.types import WeightSharing
 
 __all__ = [
@@ -123,6 +124,8 @@ class TrainConfig:
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 5e-4
+    beta2: float = 0.999
+    grad_clip: float = 0.0
     lr_schedule: str = "cosine"
     warmup_epochs: float = 0.0
     warmup_steps: int | None = None
@@ -175,9 +178,10 @@ class TrainConfig:
             check_int("warmup_steps", self.warmup_steps, low=0)
         for name in ("lr", "lr_gamma", "poly_power", "collective_timeout"):
             check_number(name, getattr(self, name))
-        for name in ("weight_decay", "warmup_epochs", "mixup_alpha", "poly_start_epoch"):
+        for name in ("weight_decay", "warmup_epochs", "mixup_alpha", "poly_start_epoch",
+                     "grad_clip"):  # fmt: skip
             check_number(name, getattr(self, name), low_inclusive=True)
-        for name in ("momentum", "val_split"):
+        for name in ("momentum", "val_split", "beta2"):
             check_number(
                 name, getattr(self, name), low_inclusive=True, high=1.0, high_inclusive=False
             )
@@ -205,6 +209,7 @@ class TrainConfig:
             )
         self._check_kinds()
         self._check_fsdp()
+        check_recipe(self)
 
     def _check_fsdp(self) -> None:
         """``fsdp`` trains without checkpoints, and only with what was tested under it;
