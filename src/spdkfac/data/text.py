@@ -83,10 +83,13 @@ def read_corpus_bytes(path: str | Path | None = None) -> bytes:
     return raw
 
 
-def split_bounds(length: int) -> list[tuple[int, int]]:
-    """``[start, end)`` byte ranges of the train (90 %), validation and test (5 % each) splits."""
-    train_end = int(length * _TRAIN_END)
-    validation_end = int(length * _VALIDATION_END)
+def split_bounds(
+    length: int, ends: tuple[float, float] = (_TRAIN_END, _VALIDATION_END)
+) -> list[tuple[int, int]]:
+    """``[start, end)`` byte ranges of the train (90 %), validation and test (5 % each) splits
+    (``ends``: where train and validation end, as fractions of the length)."""
+    train_end = int(length * ends[0])
+    validation_end = int(length * ends[1])
     return [(0, train_end), (train_end, validation_end), (validation_end, length)]
 
 
