@@ -39,7 +39,13 @@ import torch
 
 from spdkfac.data.text import TEXT_SPLITS, TextCorpus, TextCorpusError, split_bounds
 
-__all__ = ["DEFAULT_GCIDE_PATH", "SPLIT_ENDS", "gcide_text", "load_gcide_corpus", "read_gcide_bytes"]
+__all__ = [
+    "DEFAULT_GCIDE_PATH",
+    "SPLIT_ENDS",
+    "gcide_text",
+    "load_gcide_corpus",
+    "read_gcide_bytes",
+]
 
 DEFAULT_GCIDE_PATH = Path("/usr/share/dictd/gcide.dict.dz")
 """Where Debian's ``dict-gcide`` installs the dictionary."""
