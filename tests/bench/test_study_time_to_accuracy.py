@@ -1,6 +1,7 @@
 """The time-to-result study driver (benchmarks/study_time_to_accuracy.py): trials drawn
 reproducibly, a killed study continuing where it stopped, time to target with never =
-full budget, the ratio lines, selection, the report, and one real ``spdkfac train`` trial.
+full budget, the ratio lines, selection, target-setting runs (text revision 3), the
+report, and one real smoke study (``spdkfac train`` through every phase).
 
 All but the last test stand a fake launcher in for ``torchrun``: it writes the
 ``summary.json`` a run would, from a made-up but deterministic curve.

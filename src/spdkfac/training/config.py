@@ -31,7 +31,7 @@ from spdkfac.training.kfac_options import (
     kfac_from_flat,
     kfac_to_flat,
 )
-from spdkfac.training.recipe import check_recipe
+from spdkfac.training.recipe import DEFAULT_BETA2, check_recipe
 from spdkfac.types import WeightSharing
 
 __all__ = [
@@ -124,7 +124,7 @@ class TrainConfig:
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 5e-4
-    beta2: float = 0.999
+    beta2: float = DEFAULT_BETA2
     grad_clip: float = 0.0
     lr_schedule: str = "cosine"
     warmup_epochs: float = 0.0
