@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml Makefile
 data:
 	@bash scripts/ensure_fashion_mnist.sh
 	@bash scripts/ensure_fortunes.sh
+	@bash scripts/ensure_gcide.sh
 
 demo: $(STAMP) data
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(DEMO_WORKERS) \

@@ -2,8 +2,10 @@
 
 AlgoPerf-style: fixed workloads and targets, the same number of tuning trials for every
 optimizer from a declared search space, chosen on a validation split carved from the
-training data, then 3 seeds of each chosen configuration timed to the targets (wall time
-of training, evaluation excluded). Every trial is one ``spdkfac train`` run under
+training data, then (text: AlgoPerf's target-setting runs, each baseline's chosen
+configuration over the whole budget, 3 seeds; the best baseline's median final score is
+the target) 3 seeds of each chosen configuration timed to the targets (wall time of
+training, evaluation excluded). Every trial is one ``spdkfac train`` run under
 ``torchrun`` recorded in ``OUT/trials.jsonl``; run the same command again to continue a
 study that stopped (finished trials are skipped, an unfinished one starts over; stop it
 with Ctrl-C or SIGTERM, which also end the running trial's processes).
@@ -54,7 +56,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated subset of the optimizers (default: all)",
     )
-    parser.add_argument("--trials", type=int, default=6, help="tuning trials per optimizer")
+    parser.add_argument(
+        "--trials",
+        type=int,
+        default=6,
+        help="tuning trials per optimizer (a workload may declare more: text, 8)",
+    )
     parser.add_argument(
         "--seeds",
         type=lambda t: tuple(int(s) for s in _names(t)),
@@ -72,10 +79,15 @@ def _parser() -> argparse.ArgumentParser:
         "--phase",
         choices=(*PHASES, "all", "report"),
         default="all",
-        help="tune only, final runs only, both, or only rewrite the report",
+        help="tune only, target-setting runs only (workloads whose baselines set the "
+        "target), final runs only, all in order, or only rewrite the report",
     )
     parser.add_argument("--fashion-data", help="Fashion-MNIST directory (default: Debian's)")
-    parser.add_argument("--text-data", help="text file or directory (default: fortunes)")
+    parser.add_argument(
+        "--text-data",
+        help="the text workload's dictionary, a gcide.dict.dz or .dict (default: Debian's "
+        "dict-gcide)",
+    )
     return parser
 
 

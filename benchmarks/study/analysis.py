@@ -38,6 +38,7 @@ __all__ = [
     "reference_paces",
     "reference_steps",
     "select",
+    "setting_medians",
     "tuning_key",
     "tuning_targets",
 ]
@@ -104,14 +105,18 @@ def _ok(records: Sequence[dict[str, Any]], **fields: Any) -> list[dict[str, Any]
 def tuning_targets(records: Sequence[dict[str, Any]], workload: Workload) -> tuple[float, ...]:
     """The targets tuning trials are timed to: the workload's own moved by its
     ``tune_margin`` towards better scores, or the best final validation score among the
-    reference optimizer's trials (none before one finished)."""
+    reference optimizer's trials (without one: the baselines' trials; none before one
+    finished)."""
     if workload.targets:
         margin = workload.tune_margin if workload.higher_is_better else -workload.tune_margin
         return tuple(round(target + margin, 6) for target in workload.targets)
+    setters = workload.baselines if workload.reference is None else (workload.reference,)
     values = [
         v
-        for r in _ok(records, workload=workload.key, phase="tune", optimizer=workload.reference)
-        if (v := final_value(r, workload.tune_metric)) is not None and math.isfinite(v)
+        for r in _ok(records, workload=workload.key, phase="tune")
+        if r["optimizer"] in setters
+        and (v := final_value(r, workload.tune_metric)) is not None
+        and math.isfinite(v)
     ]
     if not values:
         return ()
@@ -190,11 +195,40 @@ def select(
     return chosen
 
 
+def setting_medians(
+    records: Sequence[dict[str, Any]], workload: Workload
+) -> dict[str, tuple[float, int]]:
+    """Baseline -> (median final score, runs) over its recorded target-setting runs (a
+    failed run, or one without a finite score, counts as the worst score)."""
+    worst = -math.inf if workload.higher_is_better else math.inf
+    medians = {}
+    for optimizer in workload.baselines:
+        runs = [
+            r
+            for r in records
+            if r["workload"] == workload.key
+            and r["phase"] == "target"
+            and r["optimizer"] == optimizer
+        ]
+        scores = [final_value(r, workload.final_metric) if r.get("status") == "ok" else None
+                  for r in runs]  # fmt: skip
+        if scores:
+            finite = [v if v is not None and math.isfinite(v) else worst for v in scores]
+            medians[optimizer] = (statistics.median(finite), len(finite))
+    return medians
+
+
 def final_targets(records: Sequence[dict[str, Any]], workload: Workload) -> tuple[float, ...]:
-    """The final runs' targets: the workload's own, or the median over the reference
-    optimizer's final runs of their final score (none before one finished)."""
+    """The final runs' targets: the workload's own; with target-setting runs, the best
+    baseline's median final score over them; or the median over the reference optimizer's
+    final runs of their final score (none before one finished)."""
     if workload.targets:
         return workload.targets
+    if workload.target_setting:
+        values = [v for v, _ in setting_medians(records, workload).values() if math.isfinite(v)]
+        if not values:
+            return ()
+        return (max(values) if workload.higher_is_better else min(values),)
     values = [
         v
         for r in _ok(records, workload=workload.key, phase="final", optimizer=workload.reference)
@@ -264,13 +298,16 @@ def final_rows(records: Sequence[dict[str, Any]], workload: Workload, target: fl
     return rows
 
 
-def ratio(rows: Sequence[Row], kfac: str) -> tuple[float, Row, Row] | None:
-    """(K-FAC's median seconds / the best other optimizer's, K-FAC's row, that row), or
-    None without K-FAC or another optimizer."""
-    mine = next((row for row in rows if row.optimizer == kfac), None)
-    others = [row for row in rows if row.optimizer != kfac]
-    if mine is None or not others:
+def ratio(rows: Sequence[Row], kfac: str | Sequence[str]) -> tuple[float, Row, Row] | None:
+    """(the best K-FAC row's median seconds / the best other optimizer's, that K-FAC row,
+    that other row), or None without a K-FAC row or another optimizer. ``kfac``: the
+    K-FAC optimizers' names (or one name)."""
+    names = (kfac,) if isinstance(kfac, str) else tuple(kfac)
+    mine_rows = [row for row in rows if row.optimizer in names]
+    others = [row for row in rows if row.optimizer not in names]
+    if not mine_rows or not others:
         return None
+    mine = min(mine_rows, key=lambda row: row.median_seconds)
     best = min(others, key=lambda row: row.median_seconds)
     if math.isinf(mine.median_seconds) and math.isinf(best.median_seconds):
         return math.nan, mine, best

@@ -5,6 +5,11 @@ protocol` and refuses to continue under a different one. Search dimensions map t
 ``spdkfac train`` options, except ``schedule`` (the schedule's length as a fraction of
 the workload's budget: an optimizer may end early) and ``warmup`` (the linear warm-up as a
 fraction of that schedule), which :meth:`Workload.flags_for` translates.
+
+A workload whose target the baselines set (``target_setting``, AlgoPerf's rule) has a
+phase between tuning and the final runs: each baseline's chosen configuration runs the
+whole budget (schedule 1.0) with seeds :data:`TARGET_SEED_OFFSET` + the final seeds
+(:func:`target_trial`); the target is the best baseline's median final score.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "TARGET_SEED_OFFSET",
     "Choice",
     "Dimension",
     "LogUniform",
@@ -25,8 +31,12 @@ __all__ = [
     "Trial",
     "Workload",
     "final_trial",
+    "target_trial",
     "tuning_trials",
 ]
+
+#: Target-setting runs use the final runs' seeds plus this (independent of the final runs).
+TARGET_SEED_OFFSET = 100
 
 
 @dataclass(frozen=True)
@@ -88,8 +98,10 @@ class Workload:
         higher_is_better: Whether a larger score is better (accuracy) or not (bits/byte).
         targets: Fixed targets, or empty when ``reference`` sets the target.
         labels: The ratio line's label of each target ("" for a workload's only one).
-        reference: The optimizer whose best configuration's final score is the target.
-        kfac: The K-FAC optimizer whose time the ratio divides.
+        reference: The optimizer whose best configuration's final score is the target
+            (None: the baselines' target-setting runs set it, or fixed targets).
+        kfac: The K-FAC optimizers; the ratio divides the fastest one's time. The other
+            optimizers are the baselines.
         spaces: Optimizer name -> search space, in the order runs alternate.
         revision: The protocol's revision; a revised protocol is a workload of its own
             (its trials are told apart by :attr:`key`) and the earlier one is retired.
@@ -97,6 +109,10 @@ class Workload:
         tune_margin: How much stricter than ``targets`` tuning trials' targets are on the
             validation split (towards better scores), so that the configuration chosen
             there reaches the target on the test set too.
+        trials: Tuning trials per optimizer (None: the study's number).
+        target_setting: Whether the target comes from target-setting runs: each
+            baseline's chosen configuration over the whole budget, the best baseline's
+            median final score (AlgoPerf's rule; see :func:`target_trial`).
     """
 
     name: str
@@ -112,17 +128,24 @@ class Workload:
     targets: tuple[float, ...]
     labels: tuple[str, ...]
     reference: str | None
-    kfac: str
+    kfac: tuple[str, ...]
     spaces: dict[str, SearchSpace]
     revision: int = 1
     changes: str = ""
     tune_margin: float = 0.0
+    trials: int | None = None
+    target_setting: bool = False
 
     @property
     def key(self) -> str:
         """What trials, records and the protocol file know the workload by: its name, with
         ``-r<revision>`` from the second revision on."""
         return self.name if self.revision == 1 else f"{self.name}-r{self.revision}"
+
+    @property
+    def baselines(self) -> tuple[str, ...]:
+        """The optimizers that are not K-FAC, in the spaces' order."""
+        return tuple(name for name in self.spaces if name not in self.kfac)
 
     @property
     def pace_reference(self) -> str:
@@ -162,6 +185,15 @@ class Workload:
         revision: dict[str, Any] = {} if self.revision == 1 else {"revision": self.revision}
         if self.tune_margin:
             revision["tune_margin"] = self.tune_margin
+        if self.trials is not None:
+            revision["trials"] = self.trials
+        if self.target_setting:
+            revision["target_setting"] = {
+                "optimizers": list(self.baselines),
+                "seeds": f"final seeds + {TARGET_SEED_OFFSET}",
+                "schedule": 1.0,
+                "target": f"best median final {self.final_metric}",
+            }
         return {
             "name": self.name,
             **revision,
@@ -184,7 +216,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Trial:
-    """One ``spdkfac train`` run of the study: a tuning trial or a final run."""
+    """One ``spdkfac train`` run of the study: a tuning trial, a target-setting run
+    (phase ``target``) or a final run."""
 
     workload: str
     optimizer: str
@@ -219,6 +252,15 @@ class StudyPlan:
     def workload(self, name: str) -> Workload:
         return next(w for w in self.workloads if w.name == name)
 
+    def trials_of(self, workload: Workload) -> int:
+        """Tuning trials per optimizer of ``workload``: its own number, or the study's."""
+        return self.trials if workload.trials is None else workload.trials
+
+    @property
+    def target_seeds(self) -> tuple[int, ...]:
+        """The seeds of target-setting runs."""
+        return tuple(TARGET_SEED_OFFSET + seed for seed in self.seeds)
+
     def protocol(self) -> dict[str, Any]:
         """What a resumed study must share with the one it continues: the study-wide
         settings, and each workload's own (a study may run its workloads one at a time)."""
@@ -241,9 +283,9 @@ def tuning_trials(plan: StudyPlan, workload: Workload) -> list[Trial]:
     drawn = {}
     for optimizer, space in workload.spaces.items():
         rng = random.Random(f"{plan.tune_seed}/{workload.key}/{optimizer}")
-        drawn[optimizer] = [space.sample(rng) for _ in range(plan.trials)]
+        drawn[optimizer] = [space.sample(rng) for _ in range(plan.trials_of(workload))]
     trials = []
-    for index in range(plan.trials):
+    for index in range(plan.trials_of(workload)):
         for optimizer in workload.spaces:
             hparams = drawn[optimizer][index]
             flags = workload.flags_for(optimizer, hparams) + list(workload.tune_flags)
@@ -259,3 +301,13 @@ def final_trial(workload: Workload, optimizer: str, hparams: dict[str, Any], see
     flags = workload.flags_for(optimizer, hparams) + list(workload.final_flags)
     flags += ["--seed", str(seed)]
     return Trial(workload.key, optimizer, "final", seed, seed, hparams, tuple(flags))
+
+
+def target_trial(workload: Workload, optimizer: str, hparams: dict[str, Any], seed: int) -> Trial:
+    """The target-setting run of a baseline's chosen ``hparams``: its schedule stretched to
+    the whole budget (``schedule`` 1.0, warm-up the same fraction of it), the final runs'
+    evaluations, ``seed``."""
+    whole = {**hparams, "schedule": 1.0} if "schedule" in hparams else dict(hparams)
+    flags = workload.flags_for(optimizer, whole) + list(workload.final_flags)
+    flags += ["--seed", str(seed)]
+    return Trial(workload.key, optimizer, "target", seed, seed, whole, tuple(flags))

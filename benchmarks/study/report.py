@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spdkfac.support.optional import optional_import, skip_notice
 from study.analysis import (
     Row,
     final_rows,
@@ -27,9 +26,11 @@ from study.analysis import (
     reference_paces,
     reference_steps,
     select,
+    setting_medians,
     tuning_targets,
 )
-from study.protocol import StudyPlan, Workload
+from study.plots import plot_final_runs
+from study.protocol import TARGET_SEED_OFFSET, StudyPlan, Workload
 
 __all__ = ["ratio_lines", "write_report"]
 
@@ -55,15 +56,18 @@ def _ratios(workload: Workload, records: Sequence[dict[str, Any]], lead: str = "
     for index, label in enumerate(workload.labels):
         prefix = f"{lead}ratio {' '.join(filter(None, (workload.name, label)))}:"
         if index >= len(targets):
-            lines.append(
-                f"{prefix} n/a (the {workload.reference} final runs set this "
-                "target; none has finished)"
+            setters = (
+                f"target-setting runs of {', '.join(workload.baselines)}"
+                if workload.target_setting
+                else f"{workload.reference} final runs"
             )
+            lines.append(f"{prefix} n/a (the {setters} set this target; none has finished)")
             continue
         found = ratio(final_rows(records, workload, targets[index]), workload.kfac)
         if found is None:
             lines.append(
-                f"{prefix} n/a (needs final runs of {workload.kfac} and of another optimizer)"
+                f"{prefix} n/a (needs final runs of {' or '.join(workload.kfac)} and of "
+                "another optimizer)"
             )
         else:
             lines.append(f"{prefix} {found[0]:.2f}")
@@ -76,7 +80,8 @@ def _protocol(plan: StudyPlan) -> list[str]:
         "",
         f"- Every run is one `spdkfac train` under `torchrun --standalone --nproc-per-node "
         f"{plan.workers}` (one thread per worker, `OMP_NUM_THREADS=1`), one run at a time.",
-        f"- Tuning: {plan.trials} trials per optimizer, drawn at random (seeded) from its "
+        f"- Tuning: {plan.trials} trials per optimizer (a workload may declare its own "
+        "number), drawn at random (seeded) from its "
         "search space below, every optimizer the same number; trial i of each optimizer "
         f"runs in turn. Trials use seed {plan.tune_seed} and score a validation split "
         "carved from the training data (`--val-split`); the test set is never looked at. "
@@ -85,6 +90,12 @@ def _protocol(plan: StudyPlan) -> list[str]:
         "validation split soonest (training seconds; across machines, in steps of the pace "
         "reference on the same machine: see the note on machines), then the next target, "
         "then the best final validation score.",
+        "- Target-setting (workloads whose baselines set the target, AlgoPerf's rule): "
+        "after tuning and before any final run, each baseline's chosen configuration runs "
+        "the whole budget (its schedule stretched to 1.0) with seeds "
+        f"{', '.join(map(str, plan.target_seeds))} (the final seeds + {TARGET_SEED_OFFSET}), "
+        "the baselines alternating; the target is the best baseline's median final score "
+        "over them (a failed run counts as the worst score). K-FAC never sets it.",
         f"- Final runs: each chosen configuration with seeds {', '.join(map(str, plan.seeds))}, "
         "the optimizers alternating seed by seed, on the full training set.",
         "- Time: `spdkfac train`'s training clock; evaluations and checkpoints are "
@@ -127,8 +138,18 @@ def _workload_protocol(workload: Workload) -> list[str]:
     if workload.targets and workload.tune_margin:
         tuned = ", ".join(f"{t:g}" for t in tuning_targets((), workload))
         target += f"; tuning trials are timed to {tuned} {workload.tune_metric}"
+    if workload.target_setting:
+        target = (
+            f"the best baseline's median final {workload.final_metric} over its "
+            f"target-setting runs (baselines: {', '.join(workload.baselines)}; K-FAC rows: "
+            f"{', '.join(n for n in workload.kfac if n in workload.spaces) or 'none yet'}); "
+            f"tuning trials are timed to the best final {workload.tune_metric} of the "
+            "baselines' tuning trials"
+        )
+    trials = "" if workload.trials is None else f" Tuning: {workload.trials} trials per optimizer."
     lines = [
-        f"{workload.description}. Budget: {workload.budget} {workload.unit}. Targets: {target}.  ",
+        f"{workload.description}. Budget: {workload.budget} {workload.unit}. Targets: "
+        f"{target}.{trials}  ",
         f"Flags of every run: `{' '.join(workload.flags)}`  ",
         f"Tuning trials add `{' '.join(workload.tune_flags)}` and are scored on "
         f"`{workload.tune_metric}`; final runs add `{' '.join(workload.final_flags)}` "
@@ -144,9 +165,15 @@ def _workload_protocol(workload: Workload) -> list[str]:
 
 
 def _final_section(
-    workload: Workload, records: Sequence[dict[str, Any]], out: Path, *, heading: bool = True
+    workload: Workload,
+    records: Sequence[dict[str, Any]],
+    out: Path,
+    *,
+    heading: bool = True,
+    setting_runs: int = 0,
 ) -> list[str]:
     lines = ["", f"### {workload.title}: final runs", ""] if heading else [""]
+    lines += _target_setting(workload, records, setting_runs)
     targets = final_targets(records, workload)
     finished = [r for r in records if r["workload"] == workload.key and r["phase"] == "final"]
     if not targets or not finished:
@@ -179,11 +206,35 @@ def _final_section(
             f"Caution: these final runs ran on {len(machines)} machines ({'; '.join(machines)}): "
             "their seconds are not comparable across machines (see Every trial).",
         ]
-    if _plot(workload, records, targets, out / f"{workload.key}.png"):
+    if plot_final_runs(workload, records, targets, out / f"{workload.key}.png"):
         lines += ["", f"![{workload.final_metric} vs training wall time]({workload.key}.png)"]
     else:
         lines += ["", "(plot skipped: matplotlib does not import here)"]
     return lines
+
+
+def _target_setting(
+    workload: Workload, records: Sequence[dict[str, Any]], expected: int
+) -> list[str]:
+    """How the target was set: each baseline's median over its target-setting runs
+    (``expected``: the runs of each baseline the plan makes)."""
+    if not workload.target_setting:
+        return []
+    medians = setting_medians(records, workload)
+    targets = final_targets(records, workload)
+    if not targets:
+        return ["Target: not set yet (no target-setting run has finished).", ""]
+    best = next(name for name, (value, _) in medians.items() if value == targets[0])
+    each = "; ".join(f"{name} {value:.4f} (of {count})" for name, (value, count) in medians.items())
+    done, planned = sum(c for _, c in medians.values()), expected * len(workload.baselines)
+    status = f" (provisional: {done} of {planned} target-setting runs recorded)"
+    return [
+        f"Target: {targets[0]:.4f} {workload.final_metric}, set by {best}'s target-setting "
+        "runs (AlgoPerf's rule: each baseline's chosen configuration over the whole budget; "
+        f"the best baseline's median final score){status if done < planned else ''}. "
+        f"Medians: {each}.",
+        "",
+    ]
 
 
 def _where_time_goes(rows: Sequence[Row], workload: Workload, label: str) -> list[str]:
@@ -194,7 +245,7 @@ def _where_time_goes(rows: Sequence[Row], workload: Workload, label: str) -> lis
     steps = mine.median_steps / best.median_steps if best.median_steps else math.nan
     pace = mine.ms_per_step / best.ms_per_step if best.ms_per_step else math.nan
     line = (
-        f"- {label}: {workload.kfac} takes {value:.2f}x the time of {best.optimizer} "
+        f"- {label}: {mine.optimizer} takes {value:.2f}x the time of {best.optimizer} "
         f"(the best other): {steps:.2f}x the steps to the target at {pace:.2f}x the time "
         "per step"
     )
@@ -206,53 +257,6 @@ def _where_time_goes(rows: Sequence[Row], workload: Workload, label: str) -> lis
             "its total"
         )
     return [line + "."]
-
-
-def _plot(
-    workload: Workload, records: Sequence[dict[str, Any]], targets: Sequence[float], path: Path
-) -> bool:
-    matplotlib = optional_import("matplotlib")
-    if matplotlib is None:
-        print(skip_notice("matplotlib", path.name))
-        return False
-    matplotlib.use("Agg")
-    plt = optional_import("matplotlib.pyplot")
-    if plt is None:
-        print(skip_notice("matplotlib.pyplot", path.name))
-        return False
-    figure, axis = plt.subplots(figsize=(8, 4.5))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for index, optimizer in enumerate(workload.spaces):
-        runs = [
-            r
-            for r in records
-            if r["workload"] == workload.key
-            and r["phase"] == "final"
-            and r["optimizer"] == optimizer
-            and r.get("status") == "ok"
-        ]
-        for number, run in enumerate(runs):
-            rows = run["summary"]["metrics"]
-            axis.plot(
-                [row["train_seconds"] for row in rows],
-                [row[workload.final_metric] for row in rows],
-                color=colours[index % len(colours)],
-                alpha=0.8,
-                marker="o",
-                ms=2,
-                label=optimizer if number == 0 else None,
-            )
-    for target in targets:
-        axis.axhline(target, color="grey", linestyle="--", linewidth=1)
-    axis.set_xlabel("training wall time (s), evaluation excluded")
-    axis.set_ylabel(workload.final_metric)
-    axis.set_title(f"{workload.title}: final runs (one line per seed)")
-    axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return True
 
 
 def _trials(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
@@ -346,7 +350,7 @@ def write_report(
     for line in ratio_lines(plan, records):
         lines += ["", line]
     for workload in plan.workloads:
-        lines += _final_section(workload, records, out)
+        lines += _final_section(workload, records, out, setting_runs=len(plan.target_seeds))
     finished = {r["workload"] for r in records if r["phase"] == "final"}
     for workload in (w for w in plan.retired if w.key in finished):
         lines += [
@@ -377,8 +381,8 @@ def write_report(
                 lines.append(f"| {workload.title} | {optimizer} | — | {why} |")
                 continue
             trial = str(record["index"])
-            if tuned < plan.trials:
-                trial += f" (provisional: {tuned} of {plan.trials} trials so far)"
+            if tuned < plan.trials_of(workload):
+                trial += f" (provisional: {tuned} of {plan.trials_of(workload)} trials so far)"
             flags = workload.flags_for(optimizer, record["hparams"]) + list(workload.final_flags)
             lines.append(f"| {workload.title} | {optimizer} | {trial} | `{' '.join(flags)}` |")
     lines += _trials(plan, records)

@@ -1,9 +1,10 @@
 """The study's two workloads as declared: flags, budgets, targets and search spaces.
 
 Images: SGD with Nesterov momentum, AdamW, and SPD-KFAC preconditioning SGD (Nesterov
-too). Text: AdamW, Muon, SOAP (heavyball, when it imports) and SPD-KFAC preconditioning
-AdamW. ``--smoke`` swaps in tiny models and budgets with the same shape, for tests and
-pilots.
+too). Text (revision 3): AdamW, Muon and SOAP (heavyball, when it imports) as baselines
+that set the target, and the K-FAC optimizers ``kfac-muon`` and ``kfac-eigen-adam`` when
+``spdkfac train`` has them (revisions 1 and 2: SPD-KFAC preconditioning AdamW).
+``--smoke`` swaps in tiny models and budgets with the same shape, for tests and pilots.
 """
 
 from __future__ import annotations
@@ -11,26 +12,28 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import replace
 
+from study.declared import (
+    IMAGE_CHANGES,
+    IMAGE_CHANGES_R3,
+    IMAGE_FACTOR_EXAMPLES,
+    MACHINE_NOTE,
+    TEXT_CHANGES,
+)
+from study.dimensions import (
+    ADAMW_DECAY,
+    ADAMW_LR,
+    COMMON,
+    IMAGE_DECAY,
+    SCHEDULE,
+    SCHEDULE_R2,
+    SGD_LR,
+    WARMUP,
+)
 from study.protocol import Choice, Dimension, LogUniform, SearchSpace, StudyPlan, Workload
+from study.text_r3 import text_r3
 
 __all__ = ["build_plan"]
 
-SCHEDULE = Choice((0.6, 0.8, 1.0))
-#: Revision 2 of both workloads: schedules of 30 % to all of the budget.
-SCHEDULE_R2 = Choice((0.3, 0.4, 0.5, 0.6, 0.8, 1.0))
-#: K-FAC's factor statistics from this many of the 128 examples per worker (revision 2).
-IMAGE_FACTOR_EXAMPLES = 32
-IMAGE_CHANGES = (
-    "every optimizer may end its cosine schedule after 3, 4, 5, 6, 8 or 10 of the 10 "
-    "epochs (revision 1: 6, 8 or 10, so every run annealed over at least 6 epochs and the "
-    "first to reach 92 % did so in the last epoch of its schedule whatever the optimizer); "
-    f"K-FAC computes its factor statistics from {IMAGE_FACTOR_EXAMPLES} of the 128 examples "
-    "of each worker's batch (`--factor-examples`; revision 1's first K-FAC trial took 1.41x "
-    "the time of an SGD trial of the same steps, nearly all of it in factor steps: its "
-    "median step was 846 ms against SGD's 824 ms mean). New draws for every optimizer. "
-    "Revision 1 was retired after 5 of its 18 tuning trials; its sixth (kfac-01, factors "
-    "every step) was stopped at step 106 of 2110 and is not recorded."
-)
 #: Images, revision 2's chosen configurations (its report): revision 3 tunes around them.
 IMAGE_SECOND_STAGE = {
     "sgd": {"lr": 0.322, "weight_decay": 0.000531, "schedule": 0.8},
@@ -39,24 +42,6 @@ IMAGE_SECOND_STAGE = {
 }
 #: Revision 3's tuning targets lie this far above the test targets (the median gap below).
 IMAGE_TUNE_MARGIN = 0.005
-IMAGE_CHANGES_R3 = (
-    "a second tuning stage for every optimizer, 6 new trials each (the rule text revision "
-    "2 used): learning rate, weight decay and K-FAC's damping log-uniform within a factor "
-    "of 3 of the optimizer's revision-2 choice; the schedule's length the revision-2 "
-    "choice or up to two lengths either side of it among 3, 4, 5, 6, 8 and 10 epochs; "
-    "warm-up as before; K-FAC's factors every 5 or 10 steps and inverses every 25, 50 or "
-    "100 (its choice: 5 and 50); the configuration is chosen among the 6 new trials. And "
-    "tuning targets 0.5 point above the test targets (92.5 % and 93.5 % validation "
-    "accuracy): the trials revision 2 chose ended 0.65 (SGD), 0.50 (K-FAC) and -0.05 "
-    "(AdamW) points higher on the validation split than the median of their final runs "
-    "on the test set (0.5: the median of those gaps), and the configurations its 93 % "
-    "validation target chose for SGD and K-FAC ended below 93 % test in 5 of their 6 "
-    "final runs. Why: revision 2's choices were each the best of 6 draws from wide "
-    "ranges (K-FAC's the last of its six), and its 93 % result measured the gap between "
-    "validation and test more than the optimizers. Every run also flushes subnormal "
-    "floats to zero (`spdkfac train`'s default since this revision; speed only, the same "
-    "for every optimizer). Revision 2's runs stay in the report."
-)
 #: Text, revision 1's chosen configurations (its report): revision 2 tunes around them.
 TEXT_FIRST_STAGE = {
     "adamw": {"lr": 0.00266, "weight_decay": 0.00409},
@@ -64,23 +49,6 @@ TEXT_FIRST_STAGE = {
     "soap": {"lr": 0.00609, "weight_decay": 0.124},
     "kfac-adamw": {"lr": 0.00232, "weight_decay": 0.00647, "damping": 0.0531},
 }
-TEXT_CHANGES = (
-    "a second tuning stage for every optimizer, 6 new trials each (12 in all, the same "
-    "for every optimizer): learning rate, weight decay and K-FAC's damping log-uniform "
-    "within a factor of 3 of the optimizer's revision-1 choice, schedules of 30 % to all "
-    "of the 600 steps (revision 1: 60 % to all, as the image workload's), warm-up and "
-    "K-FAC's refresh intervals as before; the configuration is chosen among the 6 new "
-    "trials. Why: revision 1's wide ranges left each optimizer 6 draws, and the target "
-    "it set (the AdamW final runs' median, 3.703 bits per byte, which 1 of 3 AdamW final "
-    "runs missed) was reached by Muon in 75 and by K-FAC in 125 of 600 steps: the result "
-    "turned on the first steps of a few lucky draws. Revision 1's runs stay in the report."
-)
-WARMUP = Choice((0.0, 0.05, 0.1))
-SGD_LR = LogUniform(0.02, 0.8)
-IMAGE_DECAY = LogUniform(5e-5, 2e-3)
-ADAMW_LR = LogUniform(3e-4, 1e-2)
-ADAMW_DECAY = LogUniform(1e-3, 0.3)
-COMMON = ("--no-tensorboard", "--threads", "1", "--lr-schedule", "cosine")
 
 
 def _spaces_images(revision: int) -> dict[str, SearchSpace]:
@@ -232,7 +200,7 @@ def _fashion(smoke: bool, data: str | None, revision: int = 3) -> Workload:
         targets=targets,
         labels=tuple(f"{t:.0%}" for t in targets),
         reference=None,
-        kfac="kfac",
+        kfac=("kfac",),
         spaces=_spaces_images(revision),
         revision=revision,
         changes={1: "", 2: IMAGE_CHANGES, 3: IMAGE_CHANGES_R3}[revision],
@@ -240,7 +208,9 @@ def _fashion(smoke: bool, data: str | None, revision: int = 3) -> Workload:
     )
 
 
-def _text(smoke: bool, data: str | None, soap: bool, revision: int = 2) -> Workload:
+def _text(smoke: bool, data: str | None, soap: bool, revision: int = 3) -> Workload:
+    if revision >= 3:
+        return text_r3(smoke, data, soap)
     data_flags = () if data is None else ("--data", data)
     if smoke:
         flags = (
@@ -284,7 +254,7 @@ def _text(smoke: bool, data: str | None, soap: bool, revision: int = 2) -> Workl
         targets=(),
         labels=("",),
         reference="adamw",
-        kfac="kfac-adamw",
+        kfac=("kfac-adamw",),
         spaces=_spaces_text(soap, revision),
         revision=revision,
         changes="" if revision == 1 else TEXT_CHANGES,
@@ -292,23 +262,6 @@ def _text(smoke: bool, data: str | None, soap: bool, revision: int = 2) -> Workl
 
 
 NO_SOAP = "soap: left out, the heavyball package is not installed"
-#: Declared when the study's machine changed (see study.analysis.reference_paces).
-MACHINE_NOTE = (
-    "machines (declared 2026-12-01 during image revision 2's tuning, when the first run on "
-    "a new machine, kfac-04, had finished and sgd-05 was running): the study's machine "
-    "changed between two sessions; on the new one a step takes about half as long "
-    "(kfac-04: 418 ms per step, K-FAC trials before it 916-1103 ms). An optimizer's "
-    "tuning trials ran on both, so seconds would favour the trials that ran on the faster "
-    "one. From then on every run records its CPU, and tuning trials are chosen on their "
-    "times to the targets in steps of the workload's pace reference (SGD for images, AdamW "
-    "for text): the seconds divided by the median time per step of that optimizer's tuning "
-    "trials on the same machine. On one machine this orders trials exactly as seconds do, "
-    "and K-FAC's costlier steps count in full. Runs recorded before the change carry no "
-    "machine (machine A); the runs that finished on the new machine before runs recorded "
-    "it were given its description afterwards (their finishing times follow the change). "
-    "Final runs go in rounds (one seed of every optimizer), each round on one machine; the "
-    "report warns if a workload's final runs span machines"
-)
 
 
 def build_plan(
@@ -351,10 +304,11 @@ def build_plan(
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     # Earlier revisions stay in the report: their trials ran before the workload was
-    # revised (IMAGE_CHANGES, IMAGE_CHANGES_R3, TEXT_CHANGES).
+    # revised (IMAGE_CHANGES, IMAGE_CHANGES_R3, TEXT_CHANGES, TEXT_CHANGES_R3).
     earlier = {
         "fashion-mnist": [_fashion(smoke, fashion_data, revision=r) for r in (1, 2)],
-        "text": [_text(smoke, text_data, soap, revision=1)],
+        # Revisions 1 and 2 read the fortunes corpus: --text-data names revision 3's file.
+        "text": [_text(smoke, None, soap, revision=r) for r in (1, 2)],
     }
     retired = tuple(
         workload if optimizers is None else _restrict(workload, optimizers)
@@ -379,4 +333,10 @@ def _restrict(workload: Workload, optimizers: tuple[str, ...]) -> Workload:
             f"workload {workload.name} needs {workload.reference}: its best configuration "
             "sets the target"
         )
-    return replace(workload, spaces=spaces)
+    restricted = replace(workload, spaces=spaces)
+    if workload.target_setting and not restricted.baselines:
+        raise ValueError(
+            f"workload {workload.name} needs a baseline ({', '.join(workload.baselines)}): "
+            "their target-setting runs set the target"
+        )
+    return restricted

@@ -1,6 +1,7 @@
 """The time-to-result study driver (benchmarks/study_time_to_accuracy.py): trials drawn
 reproducibly, a killed study continuing where it stopped, time to target with never =
-full budget, the ratio lines, selection, the report, and one real ``spdkfac train`` trial.
+full budget, the ratio lines, selection, target-setting runs (text revision 3), the
+report, and one real smoke study (``spdkfac train`` through every phase).
 
 All but the last test stand a fake launcher in for ``torchrun``: it writes the
 ``summary.json`` a run would, from a made-up but deterministic curve.
@@ -8,6 +9,7 @@ All but the last test stand a fake launcher in for ``torchrun``: it writes the
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
@@ -50,10 +52,21 @@ TEXT = build_plan().workload("text").key
 #: Seconds per step of each optimizer in the fake runs, how fast its curve rises at its
 #: best learning rate, and that rate. K-FAC's median step is a quarter below its mean (its
 #: refresh steps).
-PACE = {"sgd": 1.0, "adamw": 1.0, "kfac": 1.2, "muon": 1.1, "soap": 2.0, "kfac-adamw": 1.2}
-RATE = {"sgd": 0.02, "adamw": 0.015, "kfac": 0.04, "muon": 0.03, "soap": 0.03, "kfac-adamw": 0.04}
+PACE = {"sgd": 1.0, "adamw": 1.0, "kfac": 1.2, "muon": 1.1, "soap": 2.0, "kfac-adamw": 1.2,
+        "kfac-muon": 1.3, "kfac-eigen-adam": 1.4}  # fmt: skip
+RATE = {"sgd": 0.02, "adamw": 0.015, "kfac": 0.04, "muon": 0.03, "soap": 0.03, "kfac-adamw": 0.04,
+        "kfac-muon": 0.05, "kfac-eigen-adam": 0.035}  # fmt: skip
 BEST_LR = {"sgd": 0.1, "kfac": 0.1, "adamw": 0.003, "muon": 0.003, "soap": 0.003,
-           "kfac-adamw": 0.003}  # fmt: skip
+           "kfac-adamw": 0.003, "kfac-muon": 0.003, "kfac-eigen-adam": 0.003}  # fmt: skip
+
+
+@pytest.fixture
+def kfac_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The text workload's K-FAC rows in the plan, as once ``spdkfac train`` has them."""
+    import study.text_r3
+
+    names = {name: "muon" for name in study.text_r3.TEXT_R3_KFAC}
+    monkeypatch.setattr(study.text_r3, "OPTIMIZERS", {**study.text_r3.OPTIMIZERS, **names})
 
 
 def _options(flags: list[str]) -> dict[str, str]:
@@ -86,7 +99,7 @@ class FakeLauncher:
         distance = math.log(float(option["--lr"]) / BEST_LR[name])
         rate = RATE[name] * math.exp(-(distance**2) / 8)
         pace = PACE[name] * (1 + 0.01 * seed)
-        if option["--dataset"] == "text":
+        if option["--dataset"] in ("text", "gcide"):
             total, every = int(option["--max-steps"]), int(option["--eval-every"])
             steps = [*range(every, total, every), total]
             metric = "val_bits_per_byte"
@@ -125,7 +138,7 @@ def test_trials_are_drawn_the_same_on_every_restart_and_optimizers_alternate() -
         trials = tuning_trials(plan, workload)
         assert [t.id for t in trials] == [t.id for t in tuning_trials(plan, workload)]
         names = list(workload.spaces)
-        assert [t.optimizer for t in trials] == names * 3
+        assert [t.optimizer for t in trials] == names * plan.trials_of(workload)
         assert len({t.id for t in trials}) == len(trials)
         for trial in trials:
             space = workload.spaces[trial.optimizer].dimensions
@@ -136,7 +149,8 @@ def test_trials_are_drawn_the_same_on_every_restart_and_optimizers_alternate() -
                     assert dimension.low * 0.99 <= value <= dimension.high * 1.01
                 else:
                     assert isinstance(dimension, Choice) and value in dimension.values
-    assert set(plan.workload("text").spaces) >= {"adamw", "muon", "kfac-adamw"}
+    assert set(plan.workload("text").spaces) >= {"adamw", "muon"}
+    assert plan.trials_of(plan.workload("text")) == 8  # its own number (the study's: 3)
     assert list(plan.workload("fashion-mnist").spaces) == ["sgd", "adamw", "kfac"]
 
 
@@ -159,9 +173,11 @@ def test_a_killed_study_continues_where_it_stopped(tmp_path: Path) -> None:
     ids = [r["id"] for r in records]
     assert ids[:3] == done and len(ids) == len(set(ids))
     tuning = planned_trials(plan, TrialStore(tmp_path / "trials.jsonl"), "tune")
+    setting = planned_trials(plan, TrialStore(tmp_path / "trials.jsonl"), "target")
     finals = planned_trials(plan, TrialStore(tmp_path / "trials.jsonl"), "final")
     assert len(finals) == sum(len(w.spaces) for w in plan.workloads)
-    assert set(ids) == {t.id for t in tuning + finals}
+    assert len(setting) == len(plan.workload("text").baselines) >= 2  # images: fixed targets
+    assert set(ids) == {t.id for t in tuning + setting + finals}
     assert len(resumed.calls) == len(ids) - 3  # the finished trials were not run again
     assert ids[3] == fourth.id  # the interrupted trial ran again, from scratch
     assert not (tmp_path / "runs" / f"{fourth.id}.partial").exists()
@@ -210,8 +226,8 @@ def test_a_retired_revision_keeps_its_trials_in_the_report_and_out_of_the_result
     plan = build_plan(smoke=True, trials=1, seeds=(1,))
     first, second = plan.retired[:2]
     assert (first.key, second.key) == ("fashion-mnist", "fashion-mnist-r2")
-    assert [w.key for w in plan.retired] == [first.key, second.key, "text"]
-    assert (IMAGES, TEXT) == ("fashion-mnist-r3", "text-r2")
+    assert [w.key for w in plan.retired] == [first.key, second.key, "text", "text-r2"]
+    assert (IMAGES, TEXT) == ("fashion-mnist-r3", "text-r3")
     # A study that ran revisions 1 and 2 (tuning and final runs) goes on under revision 3.
     _study(replace(plan, workloads=(first,), retired=()), tmp_path, FakeLauncher())
     _study(replace(plan, workloads=(second,), retired=(first,)), tmp_path, FakeLauncher())
@@ -230,7 +246,11 @@ def test_a_retired_revision_keeps_its_trials_in_the_report_and_out_of_the_result
     assert "Changed from revision 2: a second tuning stage for every optimizer" in report
     assert "### fashion-mnist (retired)" in report
     assert "### fashion-mnist (revision 2) (retired)" in report
-    trial_rows = [line for line in report.splitlines() if re.match(r"\| (tune|final) \|", line)]
+    trial_rows = [
+        line
+        for line in report.splitlines()
+        if re.match(r"\| (tune|target|final) \| [\w-]+ \| \d", line)
+    ]
     assert len(trial_rows) == len(records)  # every trial, retired ones included
     # The results come from revision 3 only: one final run (seed 1) per optimizer, not three.
     rows = final_rows(records, plan.workload("fashion-mnist"), 0.6)
@@ -342,10 +362,12 @@ def test_ratio_is_kfacs_median_over_the_best_other_median() -> None:
     # 93 %: K-FAC's seeds take 91, 92 and the full budget (1000 s): median 92; SGD and
     # AdamW never get there, so the best other is their full budget, 1000 s.
     assert ratio(final_rows(records, workload, 0.93), "kfac")[0] == pytest.approx(0.092)  # type: ignore[index]
+    setters = ", ".join(plan.workload("text").baselines)
     assert ratio_lines(plan, records) == [
         "ratio fashion-mnist 92%: 0.64",
         "ratio fashion-mnist 93%: 0.09",
-        "ratio text: n/a (the adamw final runs set this target; none has finished)",
+        f"ratio text: n/a (the target-setting runs of {setters} set this target; none has "
+        "finished)",
     ]
 
 
@@ -388,10 +410,10 @@ def test_trials_on_different_machines_compare_in_steps_of_the_reference() -> Non
     assert reference_paces([{**slow_sgd, "machine": None}], workload) == {"not recorded": 1000.0}
 
 
-def test_the_text_target_comes_from_adamws_best_configuration() -> None:
+def test_revision_2s_text_target_came_from_adamws_best_configuration() -> None:
     plan = build_plan()
-    workload = plan.workload("text")
-    text = {"workload": TEXT, "metric": "val_bits_per_byte"}
+    workload = next(w for w in plan.retired if w.key == "text-r2")
+    text = {"workload": workload.key, "metric": "val_bits_per_byte"}
     adamw = [_record("adamw", [(300, 90.0, 3.0), (600, 180.0, value)], phase="tune", index=i,
                      **text) for i, value in enumerate((2.6, 2.4, 2.5))]  # fmt: skip
     fast = _record("muon", [(200, 70.0, 2.39), (400, 140.0, 2.3)], phase="tune", **text)
@@ -404,8 +426,10 @@ def test_the_text_target_comes_from_adamws_best_configuration() -> None:
     assert final_targets(finals, workload) == (2.45,)
 
 
+@pytest.mark.usefixtures("kfac_rows")
 def test_the_report_puts_the_protocol_first_and_every_trial_in(tmp_path: Path) -> None:
     plan = build_plan(trials=2, seeds=(1, 2, 3))
+    assert set(plan.workload("text").kfac) <= set(plan.workload("text").spaces)
     first_sgd = tuning_trials(plan, plan.workload("fashion-mnist"))[0]
     launcher = FakeLauncher(fail=f"{first_sgd.hparams['lr']:g}")  # a failed trial
     _study(plan, tmp_path, launcher)
@@ -416,7 +440,9 @@ def test_the_report_puts_the_protocol_first_and_every_trial_in(tmp_path: Path) -
     assert report.index("## Protocol") < report.index("## Results") < report.index("ratio ")
     for label in ("fashion-mnist 92%", "fashion-mnist 93%", "text"):
         assert sum(bool(re.fullmatch(rf"ratio {label}: \d+\.\d\d", line)) for line in lines) == 1
-    trial_rows = [line for line in lines if re.match(r"\| (tune|final) \|", line)]
+    trial_rows = [
+        line for line in lines if re.match(r"\| (tune|target|final) \| [\w-]+ \| \d", line)
+    ]
     assert len(trial_rows) == len(records) == len(launcher.calls)
     assert "| failed |" in report and "RuntimeError: boom" in report
     assert "| 92% (0.92) | kfac | 3/3 |" in report
@@ -432,15 +458,24 @@ def test_the_report_puts_the_protocol_first_and_every_trial_in(tmp_path: Path) -
     # A retired revision's final runs keep their ratio and table, apart from the answer.
     retired = plan.retired[-1]
     assert retired.name == "text" and retired.key != TEXT
-    old = [{**r, "workload": retired.key} for r in records if r["workload"] == TEXT]
+    # (Its K-FAC optimizer was kfac-adamw: kfac-muon's runs stand in for it.)
+    old = [
+        {**r, "workload": retired.key, "optimizer": r["optimizer"].replace("-muon", "-adamw")}
+        for r in records
+        if r["workload"] == TEXT and r["optimizer"] != "kfac-eigen-adam"
+    ]
     report = write_report(plan, [*records, *old], tmp_path, "study").read_text()
     lines = report.splitlines()
     (line,) = [x for x in lines if x.startswith("- retired: ratio text: ")]
-    assert line == "- retired: " + ratio_lines(plan, records)[-1]
-    assert report.index("## Results") < report.index("### Retired: text, revision 1")
+    found = ratio(final_rows(old, retired, final_targets(old, retired)[0]), retired.kfac)
+    assert found is not None and line == f"- retired: ratio text: {found[0]:.2f}"
+    assert report.index("## Results") < report.index("### Retired: text, revision 2")
     assert sum(bool(re.fullmatch(r"ratio text: \d+\.\d\d", x)) for x in lines) == 1
     # Where K-FAC's time goes: the share of its steps' time above their median.
     assert "the time above the median (refresh steps) is 25% of its total." in report
+    # The text target: set by the baselines' target-setting runs, and said how.
+    (told,) = [x for x in lines if x.startswith("Target: ")]
+    assert re.match(r"Target: \d\.\d{4} val_bits_per_byte, set by \w+'s target-setting runs", told)
     for workload in (IMAGES, TEXT):
         plotted = (tmp_path / f"{workload}.png").exists()
         assert plotted == (f"]({workload}.png)" in report)
@@ -451,20 +486,100 @@ def test_the_report_puts_the_protocol_first_and_every_trial_in(tmp_path: Path) -
     assert f"ratio fashion-mnist 92%: {value:.2f}" in lines and value < 1
 
 
-def test_a_smoke_trial_runs_spdkfac_train(tmp_path: Path) -> None:
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 200)
+def test_a_smoke_study_runs_spdkfac_train_through_every_phase(tmp_path: Path) -> None:
+    entry = (b"Abuse \\A*buse\"\\, v. t. [F. abuser.]\n   To put to a wrong use; to misapply;"
+             b" to misuse.\n   [1913 Webster]\n\n")  # fmt: skip
+    dictionary = tmp_path / "tiny.dict.dz"
+    dictionary.write_bytes(gzip.compress(b"00-database-url\n   nowhere\n\n" + entry * 200))
     out = tmp_path / "study"
     code = study_time_to_accuracy.main([
         "--smoke", "--workers", "1", "--workloads", "text", "--optimizers", "adamw",
-        "--trials", "1", "--seeds", "1", "--phase", "tune", "--text-data", str(corpus),
+        "--trials", "1", "--seeds", "1", "--text-data", str(dictionary),
         "--out", str(out), "--timeout", "120",
     ])  # fmt: skip
     assert code == 0
-    (record,) = _records(out)
-    assert record["status"] == "ok", record.get("error")
-    rows = record["summary"]["metrics"]
-    assert [row["step"] for row in rows][-1] == record["summary"]["steps"] > 0
-    assert all(0 < row["val_bits_per_byte"] < 9 for row in rows)
-    assert "--val-split" in record["flags"] and (out / "report.md").exists()
-    assert not (out / "runs" / record["id"] / "checkpoints").exists()
+    records = _records(out)
+    assert [r["phase"] for r in records] == ["tune", "target", "final"]
+    assert all(r["status"] == "ok" for r in records), [r.get("error") for r in records]
+    for record in records:
+        rows = record["summary"]["metrics"]
+        assert [row["step"] for row in rows][-1] == record["summary"]["steps"] > 0
+        assert all(0 < row["val_bits_per_byte"] < 9 for row in rows)
+        assert not (out / "runs" / record["id"] / "checkpoints").exists()
+        assert "--dataset" in record["flags"] and "gcide" in record["flags"]
+    assert "--val-split" in records[0]["flags"] and "--val-split" not in records[1]["flags"]
+    target = records[1]["summary"]["metrics"][-1]["val_bits_per_byte"]
+    report = (out / "report.md").read_text()
+    assert f"Target: {target:.4f} val_bits_per_byte, set by adamw's target-setting runs" in report
+    assert "ratio text: n/a (needs final runs of kfac-muon or kfac-eigen-adam" in report
+
+
+@pytest.mark.usefixtures("kfac_rows")
+def test_text_revision_3_sets_its_target_by_the_best_baselines_full_budget_runs(
+    tmp_path: Path,
+) -> None:
+    plan = build_plan(smoke=True, workloads=("text",), trials=3, seeds=(1, 2, 3))
+    workload = plan.workload("text")
+    assert workload.target_setting and workload.reference is None
+    assert set(workload.kfac) == {"kfac-muon", "kfac-eigen-adam"} <= set(workload.spaces)
+    assert "kfac-muon" not in workload.baselines and "adamw" in workload.baselines
+    adamw = workload.spaces["adamw"].dimensions
+    assert adamw["beta2"] == Choice((0.95, 0.99, 0.999)) and adamw["grad_clip"] == Choice((0, 1))
+    shared = ("lr", "weight_decay", "schedule", "warmup", "grad_clip")
+    for space in workload.spaces.values():  # the same choices for every optimizer
+        assert {k: space.dimensions[k] for k in shared} == {k: adamw[k] for k in shared}
+    store = _study(plan, tmp_path, FakeLauncher())
+    records = store.records
+    phases = [r["phase"] for r in records]
+    # Tuning, then every target-setting run, then the final runs.
+    assert phases == sorted(phases, key=["tune", "target", "final"].index)
+    setting = [r for r in records if r["phase"] == "target"]
+    assert [r["optimizer"] for r in setting] == list(workload.baselines) * 3
+    assert {r["seed"] for r in setting} == {101, 102, 103}
+    chosen = select(records, workload)
+    for run in setting:  # the chosen configuration over the whole budget
+        assert run["hparams"] == {**chosen[run["optimizer"]]["hparams"], "schedule": 1.0}  # type: ignore[index]
+        assert _options(run["flags"])["--max-steps"] == str(workload.budget)
+    # The target: the best baseline's median final score over its target-setting runs.
+    medians = {
+        name: sorted(r["summary"]["metrics"][-1]["val_bits_per_byte"] for r in setting
+                     if r["optimizer"] == name)[1]
+        for name in workload.baselines
+    }  # fmt: skip
+    assert final_targets(records, workload) == (min(medians.values()),)
+    # Tuning trials are timed to the best final score of the baselines' tuning trials.
+    baseline_finals = [
+        r["summary"]["metrics"][-1]["val_bits_per_byte"]
+        for r in records
+        if r["phase"] == "tune" and r["optimizer"] in workload.baselines
+    ]
+    assert tuning_targets(records, workload) == (min(baseline_finals),)  # fmt: skip
+    # The ratio: the best K-FAC row's median time over the best other optimizer's.
+    rows = final_rows(records, workload, final_targets(records, workload)[0])
+    found = ratio(rows, workload.kfac)
+    assert found is not None and found[1].optimizer in workload.kfac
+    kfac_best = min(
+        (r for r in rows if r.optimizer in workload.kfac), key=lambda r: r.median_seconds
+    )
+    assert found[1] is kfac_best and found[2].optimizer in workload.baselines
+    assert f"ratio text: {found[0]:.2f}" in (tmp_path / "report.md").read_text().splitlines()
+
+
+@pytest.mark.usefixtures("kfac_rows")
+def test_final_runs_wait_for_every_target_setting_run(tmp_path: Path) -> None:
+    plan = build_plan(smoke=True, workloads=("text",), optimizers=("adamw", "muon"), trials=1,
+                      seeds=(1, 2))  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):  # 2 tuning trials, 2 target-setting runs, then 1
+        _study(plan, tmp_path, FakeLauncher(interrupt_at=5))
+    store = TrialStore(tmp_path / "trials.jsonl")
+    assert [r["phase"] for r in store.records] == ["tune", "tune", "target", "target"]
+    assert planned_trials(plan, store, "final") == []  # 2 of 4 target-setting runs recorded
+    report = write_report(plan, store.records, tmp_path, "study").read_text()
+    assert "ratio text: n/a (needs final runs of kfac-muon or kfac-eigen-adam" in report
+    assert "(provisional: 2 of 4 target-setting runs recorded)" in report
+    with pytest.raises(ValueError, match="workload text needs a baseline"):
+        build_plan(workloads=("text",), optimizers=("kfac-muon",))
+    # Continued, the study runs the other target-setting runs before any final run.
+    _study(plan, tmp_path, FakeLauncher())
+    phases = [r["phase"] for r in _records(tmp_path)]
+    assert phases == ["tune"] * 2 + ["target"] * 4 + ["final"] * 4

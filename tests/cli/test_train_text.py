@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 from pathlib import Path
@@ -135,3 +136,18 @@ def test_missing_or_short_text_names_the_path(
     short.write_bytes(b"too short")
     assert _train(short, tmp_path / "out") == 1
     assert f"text corpus {short} has 9 bytes" in capsys.readouterr().err
+
+
+def test_gcide_reads_a_dict_dz_and_trains(tmp_path: Path) -> None:
+    entry = (b"Abuse \\A*buse\"\\, v. t. [F. abuser.]\n   To put to a wrong use; to misapply.\n"
+             b"   [1913 Webster]\n\n")  # fmt: skip
+    dictionary = tmp_path / "tiny.dict.dz"
+    dictionary.write_bytes(gzip.compress(b"00-database-url\n   nowhere\n\n" + entry * 60))
+    out = tmp_path / "run"
+    args = ["train", "--model", "gpt", "--dataset", "gcide", "--data", str(dictionary), *TINY]
+    assert main([*args, "--out-dir", str(out), "--optimizer", "adamw", "--max-steps", "2"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and 0 < summary["test_bits_per_byte"] < 9
+    missing = tmp_path / "none.dict.dz"
+    args[args.index(str(dictionary))] = str(missing)
+    assert main([*args, "--out-dir", str(tmp_path / "other"), "--max-steps", "1"]) == 1

@@ -29,10 +29,13 @@ _UNSET: Any = object()
 _HELP: dict[str, str] = {
     "model": "model name (resnet20/32/56, cnn, mlp, wrn16-4, resnet50/152, densenet121/201, "
     "or torchvision:NAME for a torchvision.models model; gpt: a byte-level language model "
-    "for --dataset text)",
-    "dataset": f"dataset: {', '.join(DATASETS)} (text: a byte-level corpus for --model gpt)",
-    "data": "dataset directory (Fashion-MNIST default: Debian's dataset-fashion-mnist), or "
-    "for text a file or directory (default: Debian's fortunes, /usr/share/games/fortunes)",
+    "for --dataset text or gcide)",
+    "dataset": f"dataset: {', '.join(DATASETS)} (text: a byte-level corpus for --model gpt; "
+    "gcide: the GCIDE dictionary as plain English, about 29 MB, for --model gpt)",
+    "data": "dataset directory (Fashion-MNIST default: Debian's dataset-fashion-mnist), "
+    "for text a file or directory (default: Debian's fortunes, /usr/share/games/fortunes), "
+    "for gcide a .dict.dz or .dict file (default: Debian's dict-gcide, "
+    "/usr/share/dictd/gcide.dict.dz)",
     "image_size": "image side for imagefolder datasets",
     "seq_len": "text: context length in bytes (window of each training example)",
     "gpt_layers": "gpt: transformer blocks",
@@ -59,9 +62,15 @@ _HELP: dict[str, str] = {
     "eigenvalue) then Muon, kfac-eigen-adam = Adam in K-FAC's eigen-bases, refreshed every "
     "--inv-update-steps; AdamW on the rest)",
     "lr": "peak learning rate",
-    "momentum": "SGD and Muon momentum, in [0, 1) (AdamW and SOAP keep their default betas)",
+    "momentum": "SGD and Muon momentum, in [0, 1) (AdamW's beta1 is 0.9, SOAP keeps its "
+    "default betas)",
     "nesterov": "Nesterov momentum (SGD)",
     "weight_decay": "L2 weight decay after preconditioning (AdamW: decoupled weight decay)",
+    "beta2": "AdamW's second-moment decay beta2, in [0, 1), for every AdamW part (adamw, "
+    "kfac-adamw, muon's AdamW part; beta1 stays 0.9)",
+    "grad_clip": "clip the averaged gradients to this global L2 norm before K-FAC and the "
+    "optimizer step, as torch.nn.utils.clip_grad_norm_ (0: off; a step whose norm is not "
+    "finite is left as is, K-FAC skips it)",
     "lr_schedule": f"learning-rate schedule: {', '.join(LR_SCHEDULES)}",
     "warmup_epochs": "linear learning-rate warm-up, in epochs",
     "warmup_steps": "linear learning-rate warm-up, in optimizer steps (not with --warmup-epochs)",

@@ -1,5 +1,5 @@
-"""Datasets and augmentations: IDX, Fashion-MNIST, CIFAR-10, image folders, byte-level text,
-batch transforms."""
+"""Datasets and augmentations: IDX, Fashion-MNIST, CIFAR-10, image folders, byte-level text
+(a corpus or the GCIDE dictionary), batch transforms."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from spdkfac.data.fashion_mnist import (
     FASHION_MNIST_STD,
     load_fashion_mnist,
 )
+from spdkfac.data.gcide import DEFAULT_GCIDE_PATH, load_gcide_corpus
 from spdkfac.data.idx import read_idx
 from spdkfac.data.imagefolder import (
     IMAGE_EXTENSIONS,
@@ -37,6 +38,7 @@ __all__ = [
     "CIFAR10_MEAN",
     "CIFAR10_STD",
     "DEFAULT_FASHION_MNIST_DIR",
+    "DEFAULT_GCIDE_PATH",
     "DEFAULT_TEXT_PATH",
     "FASHION_MNIST_CLASSES",
     "FASHION_MNIST_MEAN",
@@ -50,6 +52,7 @@ __all__ = [
     "TextWindows",
     "load_cifar10",
     "load_fashion_mnist",
+    "load_gcide_corpus",
     "load_image_folder",
     "load_text_corpus",
     "random_crop_flip",

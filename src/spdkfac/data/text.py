@@ -83,10 +83,13 @@ def read_corpus_bytes(path: str | Path | None = None) -> bytes:
     return raw
 
 
-def split_bounds(length: int) -> list[tuple[int, int]]:
-    """``[start, end)`` byte ranges of the train (90 %), validation and test (5 % each) splits."""
-    train_end = int(length * _TRAIN_END)
-    validation_end = int(length * _VALIDATION_END)
+def split_bounds(
+    length: int, ends: tuple[float, float] = (_TRAIN_END, _VALIDATION_END)
+) -> list[tuple[int, int]]:
+    """``[start, end)`` byte ranges of the train (90 %), validation and test (5 % each) splits
+    (``ends``: where train and validation end, as fractions of the length)."""
+    train_end = int(length * ends[0])
+    validation_end = int(length * ends[1])
     return [(0, train_end), (train_end, validation_end), (validation_end, length)]
 
 
@@ -133,14 +136,17 @@ class TextWindows(Dataset[tuple[Tensor, Tensor]]):
     overlap and together cover the split (but for a tail shorter than ``T``):
     ``len = (bytes - 1) // T``. :meth:`batch` with a generator instead starts window ``i``
     at a random offset in ``[i·T, i·T + T)`` (clipped to the split), so training sees every
-    alignment while a sampler still visits each stretch of text once per epoch.
+    alignment while a sampler still visits each stretch of text once per epoch. With
+    ``random_offsets=False`` every window keeps its fixed start: windows then share no
+    byte they predict, so an epoch trains on each byte of the split at most once (a corpus
+    larger than a run's reading never repeats text within the run).
 
     Raises:
         TextCorpusError: ``data`` is shorter than ``seq_len + 1`` bytes.
         ValueError: ``seq_len`` is not a positive int.
     """
 
-    def __init__(self, data: Tensor, seq_len: int) -> None:
+    def __init__(self, data: Tensor, seq_len: int, *, random_offsets: bool = True) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
         if data.dim() != 1 or len(data) < seq_len + 1:
@@ -150,6 +156,7 @@ class TextWindows(Dataset[tuple[Tensor, Tensor]]):
             )
         self.data = data
         self.seq_len = seq_len
+        self.random_offsets = random_offsets
         self.max_start = len(data) - seq_len - 1
         self._offsets = torch.arange(seq_len + 1)
 
@@ -165,9 +172,10 @@ class TextWindows(Dataset[tuple[Tensor, Tensor]]):
     def starts(
         self, indices: Sequence[int] | Tensor, generator: torch.Generator | None = None
     ) -> Tensor:
-        """First byte of each window; random within its stretch when ``generator`` is given."""
+        """First byte of each window; random within its stretch when ``generator`` is given
+        (and ``random_offsets``)."""
         base = torch.as_tensor(indices, dtype=torch.int64) * self.seq_len
-        if generator is None:
+        if generator is None or not self.random_offsets:
             return base
         span = (self.max_start - base + 1).clamp(max=self.seq_len)
         draw = torch.rand(len(base), generator=generator, dtype=torch.float64)

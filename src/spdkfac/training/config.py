@@ -31,6 +31,7 @@ from spdkfac.training.kfac_options import (
     kfac_from_flat,
     kfac_to_flat,
 )
+from spdkfac.training.recipe import DEFAULT_BETA2, check_recipe
 from spdkfac.types import WeightSharing
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
 #: What each dataset holds, matched against :func:`spdkfac.models.model_kind`.
 DATASET_KINDS: dict[str, ModelKind] = {
     "fashion-mnist": "image", "cifar10": "image", "imagefolder": "image", "text": "text",
+    "gcide": "text",
 }  # fmt: skip
 DATASETS: tuple[str, ...] = tuple(DATASET_KINDS)
 #: ``--optimizer``: its base optimizer ("kfac" alone is SGD preconditioned by K-FAC); the
@@ -122,6 +124,8 @@ class TrainConfig:
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 5e-4
+    beta2: float = DEFAULT_BETA2
+    grad_clip: float = 0.0
     lr_schedule: str = "cosine"
     warmup_epochs: float = 0.0
     warmup_steps: int | None = None
@@ -174,9 +178,10 @@ class TrainConfig:
             check_int("warmup_steps", self.warmup_steps, low=0)
         for name in ("lr", "lr_gamma", "poly_power", "collective_timeout"):
             check_number(name, getattr(self, name))
-        for name in ("weight_decay", "warmup_epochs", "mixup_alpha", "poly_start_epoch"):
+        for name in ("weight_decay", "warmup_epochs", "mixup_alpha", "poly_start_epoch",
+                     "grad_clip"):  # fmt: skip
             check_number(name, getattr(self, name), low_inclusive=True)
-        for name in ("momentum", "val_split"):
+        for name in ("momentum", "val_split", "beta2"):
             check_number(
                 name, getattr(self, name), low_inclusive=True, high=1.0, high_inclusive=False
             )
@@ -204,6 +209,7 @@ class TrainConfig:
             )
         self._check_kinds()
         self._check_fsdp()
+        check_recipe(self)
 
     def _check_fsdp(self) -> None:
         """``fsdp`` trains only with what was tested under it; ``hsdp_replicas`` needs it."""
@@ -244,7 +250,8 @@ class TrainConfig:
         if reads != holds:
             raise ValueError(
                 f"model {self.model!r} reads {reads} but dataset {self.dataset!r} holds "
-                f"{holds}; pair image models with image datasets and gpt with --dataset text"
+                f"{holds}; pair image models with image datasets and gpt with --dataset "
+                "text or gcide"
             )
         if holds == "text":
             if self.gpt_dim % self.gpt_heads:

@@ -14,7 +14,7 @@ next-token targets ``[B, T]``, the mean over all B·T tokens).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "LossPass",
     "StepHooks",
     "StepOutcome",
+    "clip_gradients",
     "cross_entropy_pass",
     "evaluate_accuracy",
     "evaluate_loss",
@@ -104,6 +105,7 @@ def train_step(
     passes: Sequence[LossPass],
     *,
     hooks: StepHooks = _NO_HOOKS,
+    grad_clip: float = 0.0,
 ) -> StepOutcome:
     """One optimizer step over the micro-batches of ``passes`` (gradient accumulation).
 
@@ -117,6 +119,8 @@ def train_step(
         preconditioner: K-FAC, or None for the plain optimizer.
         passes: One callable per micro-batch, running its forward pass.
         hooks: Callbacks at the phase boundaries, e.g. timing marks.
+        grad_clip: When > 0, the averaged gradients are clipped to this global L2 norm
+            (:func:`clip_gradients`) after ``hooks.before_update`` and before K-FAC.
 
     Returns:
         The detached losses and whether the update was applied.
@@ -140,10 +144,28 @@ def train_step(
         losses.append(loss.detach())
     if hooks.before_update is not None:
         hooks.before_update()
+    if grad_clip > 0:
+        clip_gradients(model.parameters(), grad_clip)
     applied = preconditioner.step() if preconditioner is not None else True
     if applied:
         optimizer.step()
     return StepOutcome(tuple(losses), applied)
+
+
+def clip_gradients(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+    """Scale the gradients so their global L2 norm is at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does; their norm before clipping.
+
+    A non-finite norm leaves the gradients as they are: the step then goes on as any step
+    with non-finite gradients does (K-FAC skips it; a plain optimizer applies them).
+    Every rank of a data-parallel run holds the same averaged gradients, so every rank
+    decides the same.
+    """
+    held = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in held if p.grad is not None])
+    if bool(torch.isfinite(norm)):
+        torch.nn.utils.clip_grads_with_norm_(held, max_norm, norm)
+    return norm
 
 
 def evaluate_accuracy(

@@ -139,7 +139,14 @@ def _sgd(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimi
 
 
 def _adamw(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, weight_decay=config.weight_decay, betas=_betas(config)
+    )
+
+
+def _betas(config: TrainConfig) -> tuple[float, float]:
+    """Every AdamW part's betas: torch's default beta1, the configured ``beta2``."""
+    return 0.9, config.beta2
 
 
 def _muon(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -158,7 +165,9 @@ def _muon(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optim
             adjust_lr_fn="match_rms_adamw",
         )
     if others:
-        parts["adamw"] = torch.optim.AdamW(others, lr=lr, weight_decay=config.weight_decay)
+        parts["adamw"] = torch.optim.AdamW(
+            others, lr=lr, weight_decay=config.weight_decay, betas=_betas(config)
+        )
     return CombinedOptimizer(parts)
 
 

@@ -37,7 +37,14 @@ from torch.utils.data import Dataset, TensorDataset
 
 from spdkfac.comm import Communicator
 from spdkfac.data.augment import RunningMixup, random_crop_flip, random_erasing, soft_cross_entropy
-from spdkfac.data.text import VOCAB_SIZE, TextCorpusError, TextWindows, load_text_corpus
+from spdkfac.data.gcide import load_gcide_corpus
+from spdkfac.data.text import (
+    VOCAB_SIZE,
+    TextCorpus,
+    TextCorpusError,
+    TextWindows,
+    load_text_corpus,
+)
 from spdkfac.models import ModelKind, build_model
 from spdkfac.training.config import DATASET_KINDS, TrainConfig
 from spdkfac.training.loop import evaluate_accuracy, evaluate_loss, token_cross_entropy
@@ -219,13 +226,25 @@ def _loss_scores(prefix: str, loss: float) -> dict[str, float]:
     return {f"{prefix}_loss": loss, f"{prefix}_bits_per_byte": loss / math.log(2)}
 
 
+def _load_corpus(config: TrainConfig) -> TextCorpus:
+    """``--dataset text`` (a file or directory, default fortunes) or ``gcide``."""
+    if config.dataset == "gcide":
+        return load_gcide_corpus(config.data, seq_len=config.seq_len)
+    return load_text_corpus(config.data, seq_len=config.seq_len)
+
+
 class TextTask(Task):
-    """Byte-level language modelling: validation loss and bits per byte (= loss / ln 2)."""
+    """Byte-level language modelling: validation loss and bits per byte (= loss / ln 2).
+
+    Training windows start at random offsets within their stretch of text, except on
+    ``gcide``: a corpus larger than a run reads, whose windows keep their fixed starts so
+    that no byte is trained on twice within an epoch.
+    """
 
     kind: ModelKind = "text"
 
     def load(self, config: TrainConfig) -> TaskData:
-        corpus = load_text_corpus(config.data, seq_len=config.seq_len)
+        corpus = _load_corpus(config)
         train, evaluation = corpus.train, corpus.validation
         if config.val_split > 0:
             cut = len(train) - int(len(train) * config.val_split)
@@ -246,7 +265,7 @@ class TextTask(Task):
             "dropout": config.gpt_dropout,
         }
         return TaskData(
-            TextWindows(train, config.seq_len),
+            TextWindows(train, config.seq_len, random_offsets=config.dataset != "gcide"),
             TextWindows(evaluation, config.seq_len).tensors(),
             TextWindows(corpus.test, config.seq_len).tensors(),
             model_args,

@@ -179,7 +179,14 @@ class _Run:
             inputs = self.faults.poison_batch(inputs, self.step, self.comm.rank)
         chunks = torch.arange(len(targets)).chunk(config.accumulation_steps)
         passes = [partial(self._pass, inputs, targets, soft, part) for part in chunks]
-        outcome = train_step(self.model, self.optimizer, self.precond, passes, hooks=self.hooks)
+        outcome = train_step(
+            self.model,
+            self.optimizer,
+            self.precond,
+            passes,
+            hooks=self.hooks,
+            grad_clip=config.grad_clip,
+        )
         if outcome.applied and config.weight_rescaling:
             rescale_weights_(self.module)
         self.step += 1
