@@ -149,6 +149,20 @@ def _betas(config: TrainConfig) -> tuple[float, float]:
     return 0.9, config.beta2
 
 
+def _with_adamw(
+    parts: dict[str, torch.optim.Optimizer],
+    others: list[nn.Parameter],
+    config: TrainConfig,
+    lr: float,
+) -> CombinedOptimizer:
+    """``parts`` and AdamW over ``others`` (when there are any), as one optimizer."""
+    if others:
+        parts["adamw"] = torch.optim.AdamW(
+            others, lr=lr, weight_decay=config.weight_decay, betas=_betas(config)
+        )
+    return CombinedOptimizer(parts)
+
+
 def _muon(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     _torch_with_muon()
     matrices, others = muon_parameters(model)
@@ -164,11 +178,7 @@ def _muon(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optim
             nesterov=True,
             adjust_lr_fn="match_rms_adamw",
         )
-    if others:
-        parts["adamw"] = torch.optim.AdamW(
-            others, lr=lr, weight_decay=config.weight_decay, betas=_betas(config)
-        )
-    return CombinedOptimizer(parts)
+    return _with_adamw(parts, others, config, lr)
 
 
 def _eigen_adam(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -181,9 +191,7 @@ def _eigen_adam(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim
     parts: dict[str, torch.optim.Optimizer] = {}
     if direct:
         parts["eigen-adam"] = torch.optim.SGD(direct, lr=lr, weight_decay=config.weight_decay)
-    if others:
-        parts["adamw"] = torch.optim.AdamW(others, lr=lr, weight_decay=config.weight_decay)
-    return CombinedOptimizer(parts)
+    return _with_adamw(parts, others, config, lr)
 
 
 def _soap(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
