@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spdkfac import forms, linalg
+from spdkfac import linalg
 from spdkfac.forms import DampedInverse
+from spdkfac.forms import inverses as forms
 from spdkfac.linalg import InversionError, damped_inverse, pack_triu, packed_size, unpack_triu
 
 
