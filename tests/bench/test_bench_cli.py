@@ -12,6 +12,19 @@ from spdkfac.cli import bench as bench_cli
 from spdkfac.cli import main
 
 
+def _bench(
+    argv: list[str], out: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> tuple[str, str]:
+    """Run ``spdkfac bench`` as launched by hand (no torchrun environment): its report and
+    standard error."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    code = main(argv)
+    result = capfd.readouterr()
+    assert code == 0, result.err[-3000:]
+    return (out / "report.md").read_text(), result.err
+
+
 def test_two_ranks_end_to_end(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -25,12 +38,7 @@ def test_two_ranks_end_to_end(
         "--input-size", "8", "--factor-examples", "16",
         "--no-flush-denormal",  # a bool reaches the ranks too
     ]  # fmt: skip
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delenv("RANK", raising=False)
-    code = main(argv)
-    result = capfd.readouterr()
-    assert code == 0, result.err[-3000:]
-    report = (out / "report.md").read_text()
+    report, err = _bench(argv, out, monkeypatch, capfd)
     assert report.startswith("# spdkfac bench: mlp, 2 rank(s) x batch 32, link loopback")
     assert "--variants sgd,d-kfac,spd-kfac" in report.splitlines()[2]
     for name in ("sgd", "d-kfac", "spd-kfac"):
@@ -47,7 +55,7 @@ def test_two_ranks_end_to_end(
         assert variant["breakdown"]["FF&BP"] > 0
     assert results["variants"][0]["breakdown"]["GradComm"] > 0  # the DDP hook's window
     assert results["variants"][1]["breakdown"]["FactorComm"] > 0
-    assert "bench [" in result.err  # rank 0's progress bar
+    assert "bench [" in err  # rank 0's progress bar
 
 
 def test_two_ranks_under_fsdp2(
@@ -62,12 +70,7 @@ def test_two_ranks_under_fsdp2(
         "--timeout", "120", "--input-size", "8", "--factor-examples", "16",
         "--layout", "fsdp",
     ]  # fmt: skip
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delenv("RANK", raising=False)
-    code = main(argv)
-    result = capfd.readouterr()
-    assert code == 0, result.err[-3000:]
-    report = (out / "report.md").read_text()
+    report, _ = _bench(argv, out, monkeypatch, capfd)
     assert report.startswith("# spdkfac bench: mlp, 2 rank(s) x batch 32 under FSDP2, link")
     assert "sharded by FSDP2" in report and "--layout fsdp" in report.splitlines()[2]
     results = json.loads((out / "results.json").read_text())
