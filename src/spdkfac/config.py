@@ -12,7 +12,14 @@ import torch
 from spdkfac.comm.pipeline import ExchangeSettings
 from spdkfac.curvature.collector import CollectorSettings
 from spdkfac.curvature.discovery import BlockSettings
-from spdkfac.forms import FORM_METHODS, FormMethod, InverseForm, inverse_form
+from spdkfac.forms import (
+    FORM_METHODS,
+    GRAFTINGS,
+    FormMethod,
+    GraftingName,
+    InverseForm,
+    inverse_form,
+)
 from spdkfac.layers import FactorOptions
 from spdkfac.planning.schedule import SCHEDULER_POLICIES
 from spdkfac.schedules import resolve_float, resolve_interval
@@ -86,6 +93,10 @@ class KFACConfig:
             SGD, ``kl_clip=None``) or ``"one-sided"`` (A's damped inverse alone, damping
             relative to A's mean eigenvalue; then ``torch.optim.Muon``): see
             :mod:`spdkfac.forms`.
+        grafting: ``"sgd"`` or ``"adam"``: each layer's preconditioned gradient rescaled to
+            the norm of SGD's step (the gradient) or Adam's (``∇/(√v̂+ε)``, its second
+            moment kept per layer), so the form gives the direction and the grafted method
+            the step size (:mod:`spdkfac.forms.graft`); None (default): no grafting.
         inverse_dtype: Dtype inverses (or eigen-bases) are stored, broadcast and applied
             in, e.g. ``torch.bfloat16`` (decompositions run in float32); None: float32
             (float64 for a float64 model).
@@ -150,6 +161,7 @@ class KFACConfig:
     kl_clip: FloatSchedule | None = 0.001
     lr: FloatSchedule | None = None
     inverse_method: FormMethod = "cholesky"
+    grafting: GraftingName | None = None
     inverse_dtype: torch.dtype | None = None
     factor_dtype: torch.dtype | None = None
     skip_layers: tuple[SkipEntry, ...] = field(default=())
@@ -193,6 +205,8 @@ class KFACConfig:
                 f"kl_clip must be None with inverse_method='eigen-adam' (got {self.kl_clip!r}): "
                 "its direction carries Adam's own scale, which the KL clip would rescale"
             )
+        if self.grafting is not None:
+            check_choice("grafting", self.grafting, GRAFTINGS)
         check_choice("inverse_dtype", self.inverse_dtype, _DTYPES)
         check_choice("factor_dtype", self.factor_dtype, _DTYPES)
         object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers))
@@ -303,8 +317,9 @@ class KFACConfig:
 
     @property
     def inverse_form(self) -> InverseForm:
-        """What the inverse phase computes (``inverse_method`` in ``inverse_dtype``)."""
-        return inverse_form(self.inverse_method, self.inverse_dtype)
+        """What the inverse phase computes (``inverse_method`` in ``inverse_dtype``), and
+        how it preconditions (grafted when ``grafting`` is set)."""
+        return inverse_form(self.inverse_method, self.inverse_dtype, self.grafting)
 
     def updated(self, options: Mapping[str, Any]) -> KFACConfig:
         """These options with ``options`` changed; only :data:`MUTABLE_OPTIONS` may change.

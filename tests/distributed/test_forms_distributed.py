@@ -81,11 +81,17 @@ def test_forms_across_two_ranks_equal_single_process() -> None:
 
 # ---------------------------------------------------------------------- transformer forms
 #: Every composition with each stateful or one-sided form (moments kept by every rank, or
-#: by the owner under osawa).
-MOMENT_CASES = tuple(
-    (strategy, method)
-    for method in ("eigen-adam", "one-sided")
-    for strategy in ("d-kfac", "spd-kfac", "osawa")
+#: by the owner under osawa), and grafted forms (Adam's second moment kept the same way):
+#: (strategy, inverse_method, grafting).
+MOMENT_CASES: tuple[tuple[str, str, str | None], ...] = (
+    *(
+        (strategy, method, None)
+        for method in ("eigen-adam", "one-sided")
+        for strategy in ("d-kfac", "spd-kfac", "osawa")
+    ),
+    ("spd-kfac", "cholesky", "adam"),
+    ("osawa", "cholesky", "adam"),
+    ("osawa", "one-sided", "sgd"),
 )
 WIDE = 24  # examples per step: every factor has distinct eigenvalues (a unique basis)
 
@@ -121,19 +127,20 @@ def _moment_worker(rank: int, world_size: int) -> list[list[Tensor]]:
     return [
         _train_mlp(
             DistributedDataParallel(_mlp()), rank, world_size, strategy=strategy,
-            inverse_method=method,
+            inverse_method=method, grafting=grafting,
         )
-        for strategy, method in MOMENT_CASES
+        for strategy, method, grafting in MOMENT_CASES
     ]  # fmt: skip
 
 
 def test_transformer_forms_across_two_and_three_ranks_equal_single_process() -> None:
     expected = {
-        method: _train_mlp(_mlp(), 0, 1, inverse_method=method) for _, method in MOMENT_CASES
+        (method, grafting): _train_mlp(_mlp(), 0, 1, inverse_method=method, grafting=grafting)
+        for _, method, grafting in MOMENT_CASES
     }
     for world_size in (2, 3):
         results = run_distributed(_moment_worker, world_size, timeout=150)
-        for index, (strategy, method) in enumerate(MOMENT_CASES):
+        for index, (strategy, method, grafting) in enumerate(MOMENT_CASES):
             for rank_result in results:
-                for got, want in zip(rank_result[index], expected[method], strict=True):
-                    torch.testing.assert_close(got, want, msg=f"{strategy} {method}")
+                for got, want in zip(rank_result[index], expected[method, grafting], strict=True):
+                    torch.testing.assert_close(got, want, msg=f"{strategy} {method} {grafting}")

@@ -25,7 +25,7 @@ FLAT_KEYS = {
     "gpt_dropout", "train_limit", "val_split", "epochs", "max_steps", "eval_every",
     "evals_per_epoch", "batch_size", "accumulation_steps", "optimizer", "lr", "momentum",
     "nesterov", "weight_decay", "lr_schedule", "warmup_epochs", "warmup_steps", "milestones",
-    "beta2", "grad_clip",  # the baselines' recipe (issue 41)
+    "beta2", "grad_clip", "grafting",  # the transformers' issue (41)
     "lr_gamma", "poly_power", "poly_start_epoch", "poly_end_epoch", "lr_schedule_steps",
     "strategy", "inverse_method", "comm_scheduler", "damping", "damping_initial",
     "damping_warmup_steps", "kl_clip", "factor_decay", "factor_update_steps",
@@ -113,13 +113,17 @@ def test_the_flat_form_keeps_its_keys_and_round_trips() -> None:
     config = TrainConfig(
         model="mlp",
         kfac=KFACConfig(
-            damping=0.3, batchnorm="unit-wise", factor_options=FactorOptions(examples=8)
+            damping=0.3,
+            batchnorm="unit-wise",
+            grafting="adam",
+            factor_options=FactorOptions(examples=8),
         ),
         kfac_schedules=KFACSchedules(damping_initial=1.0, damping_warmup_steps=5),
     )
     flat = config.to_dict()
     assert set(flat) == FLAT_KEYS
     assert (flat["damping"], flat["batchnorm"], flat["factor_examples"]) == (0.3, "unit-wise", 8)
+    assert flat["grafting"] == "adam"
     assert flat["damping_initial"] == 1.0 and TrainConfig().to_dict()["batchnorm"] == "off"
     assert TrainConfig.from_dict(flat) == config
     with pytest.raises(ValueError, match=r"unknown training option.*kfac"):

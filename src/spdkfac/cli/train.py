@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from spdkfac.forms import FORM_METHODS
+from spdkfac.forms import FORM_METHODS, GRAFTINGS
 from spdkfac.models import TORCHVISION_PREFIX, torchvision_builder
 from spdkfac.planning.schedule import COMM_SCHEDULERS
 from spdkfac.strategies import STRATEGY_NAMES
@@ -83,7 +83,12 @@ _HELP: dict[str, str] = {
     "steps instead of at --epochs (the run goes on to --epochs or --max-steps)",
     "strategy": "distributed K-FAC strategy (a row of the strategy table in the README)",
     "inverse_method": "what K-FAC computes from each factor: cholesky or eigen (damped "
-    "inverses), or eigen-basis (eigendecompositions, damping on the Kronecker eigenvalues)",
+    "inverses), eigen-basis (eigendecompositions, damping on the Kronecker eigenvalues), "
+    "eigen-adam or one-sided (the transformer forms; --optimizer kfac-eigen-adam / kfac-muon "
+    "choose them)",
+    "grafting": "sgd or adam: each layer's preconditioned gradient takes the norm of SGD's "
+    "step (the gradient) or Adam's (gradient / (sqrt(v) + eps)); the form gives only the "
+    "direction",
     "comm_scheduler": "fifo, or priority: DDP's gradient buckets preempt pipelined factor "
     "buckets chunk by chunk, in one order on every rank",
     "damping": "K-FAC damping (the target of the damping warm-up)",
@@ -156,6 +161,7 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     "lr_schedule": {"type": str, "choices": LR_SCHEDULES},
     "strategy": {"type": str, "choices": STRATEGY_NAMES},
     "inverse_method": {"type": str, "choices": FORM_METHODS},
+    "grafting": {"type": str, "choices": GRAFTINGS},
     "comm_scheduler": {"type": str, "choices": COMM_SCHEDULERS},
     "batchnorm": {"type": str, "choices": BATCHNORM_CURVATURES},
     "weight_sharing": {"type": str, "choices": WEIGHT_SHARINGS},

@@ -38,6 +38,9 @@ activations' scale); G is neither captured nor inverted. Composed with
 with one group, Hugging Face's Conv1D); embeddings and grouped convolutions are left to
 the optimizer (named in the "not preconditioned" warning).
 
+Any form may be *grafted* (the ``grafting`` option, :mod:`spdkfac.forms.graft`): its
+direction with SGD's or Adam's step size per layer.
+
 Results are stored in ``dtype`` (the ``inverse_dtype`` option; decompositions always run
 in at least float32) and applied in the gradient's dtype (promoted with theirs).
 
@@ -67,15 +70,19 @@ import torch
 
 from spdkfac.forms.base import COMPUTE_SCALES, FORM_METHODS, FormMethod, InverseForm, Moments
 from spdkfac.forms.eigen import EigenAdam, EigenBasis
+from spdkfac.forms.graft import GRAFTINGS, Grafted, GraftingName
 from spdkfac.forms.inverses import DampedInverse, OneSided
 
 __all__ = [
     "COMPUTE_SCALES",
     "FORM_METHODS",
+    "GRAFTINGS",
     "DampedInverse",
     "EigenAdam",
     "EigenBasis",
     "FormMethod",
+    "Grafted",
+    "GraftingName",
     "InverseForm",
     "Moments",
     "OneSided",
@@ -91,12 +98,16 @@ _FORMS: dict[str, Callable[[torch.dtype | None], InverseForm]] = {
 }
 
 
-def inverse_form(method: str, dtype: torch.dtype | None = None) -> InverseForm:
-    """The form of an ``inverse_method`` value, storing results in ``dtype``.
+def inverse_form(
+    method: str, dtype: torch.dtype | None = None, grafting: str | None = None
+) -> InverseForm:
+    """The form of an ``inverse_method`` value, storing results in ``dtype``, grafted
+    (:class:`Grafted`) unless ``grafting`` is None.
 
     Raises:
-        ValueError: An unknown method.
+        ValueError: An unknown method or grafting.
     """
     if method not in _FORMS:
         raise ValueError(f"inverse_method must be one of {FORM_METHODS}, got {method!r}")
-    return _FORMS[method](dtype)
+    form = _FORMS[method](dtype)
+    return form if grafting is None else Grafted(form, grafting)

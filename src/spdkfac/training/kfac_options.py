@@ -37,7 +37,7 @@ __all__ = [
 #: ``--batchnorm`` values: "off" (plain gradient) or a mode of ``KFACPreconditioner``.
 BATCHNORM_CURVATURES: tuple[str, ...] = ("off", *BATCHNORM_MODES)
 
-_SAME_NAME = ("strategy", "inverse_method", "comm_scheduler", "damping", "kl_clip",
+_SAME_NAME = ("strategy", "inverse_method", "grafting", "comm_scheduler", "damping", "kl_clip",
               "factor_decay", "factor_update_steps", "inv_update_steps",
               "weight_sharing")  # fmt: skip
 
