@@ -238,10 +238,31 @@ def _target_setting(
 
 
 def _where_time_goes(rows: Sequence[Row], workload: Workload, label: str) -> list[str]:
+    """Steps to the target against time per step for every K-FAC row (the chosen one
+    first) over the best other optimizer, then each K-FAC row's mean time per step over
+    every other optimizer's."""
     found = ratio(rows, workload.kfac)
     if found is None or math.isnan(found[0]):
         return []
-    value, mine, best = found
+    _, chosen, best = found
+    forms = sorted(
+        (row for row in rows if row.optimizer in workload.kfac),
+        key=lambda row: (row is not chosen, row.optimizer),
+    )
+    lines = [_decomposition(row, best, label) for row in forms]
+    others = [row for row in rows if row.optimizer not in workload.kfac]
+    if all(math.isfinite(row.ms_per_step) for row in (*forms, *others)):
+        costs = "; ".join(
+            f"{row.optimizer} "
+            + ", ".join(f"{row.ms_per_step / o.ms_per_step:.2f}x {o.optimizer}" for o in others)
+            for row in forms
+        )
+        lines.append(f"- {label}, mean time per step (refresh steps included): {costs}.")
+    return lines
+
+
+def _decomposition(mine: Row, best: Row, label: str) -> str:
+    value = mine.median_seconds / best.median_seconds
     steps = mine.median_steps / best.median_steps if best.median_steps else math.nan
     pace = mine.ms_per_step / best.ms_per_step if best.ms_per_step else math.nan
     line = (
@@ -256,7 +277,7 @@ def _where_time_goes(rows: Sequence[Row], workload: Workload, label: str) -> lis
             f"ms at the median: the time above the median (refresh steps) is {share:.0%} of "
             "its total"
         )
-    return [line + "."]
+    return line + "."
 
 
 def _trials(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:

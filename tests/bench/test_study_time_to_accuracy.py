@@ -27,6 +27,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import study_time_to_accuracy  # noqa: E402
 from spdkfac.calibrate import describe_device  # noqa: E402
 from study.analysis import (  # noqa: E402
+    Outcome,
+    Row,
     final_rows,
     final_targets,
     outcome,
@@ -38,7 +40,7 @@ from study.analysis import (  # noqa: E402
 )
 from study.driver import planned_trials, run_study  # noqa: E402
 from study.protocol import Choice, LogUniform, StudyPlan, tuning_trials  # noqa: E402
-from study.report import ratio_lines, write_report  # noqa: E402
+from study.report import _where_time_goes, ratio_lines, write_report  # noqa: E402
 from study.runner import LaunchResult  # noqa: E402
 from study.store import ProtocolMismatchError, TrialStore  # noqa: E402
 from study.workloads import build_plan  # noqa: E402
@@ -583,3 +585,26 @@ def test_final_runs_wait_for_every_target_setting_run(tmp_path: Path) -> None:
     _study(plan, tmp_path, FakeLauncher())
     phases = [r["phase"] for r in _records(tmp_path)]
     assert phases == ["tune"] * 2 + ["target"] * 4 + ["final"] * 4
+
+
+def test_where_the_time_goes_names_every_k_fac_form_and_its_step_cost() -> None:
+    """Issue 41: steps against time per step for each K-FAC form over the best other, the
+    chosen form first, and each form's mean step over every other optimizer's."""
+    workload = build_plan().workload("text")
+
+    def row(name: str, steps: float, ms: float) -> Row:
+        outcomes = tuple(Outcome(True, steps, steps * ms / 1000) for _ in range(3))
+        return Row(name, 2.5, outcomes, ms, (2.5,) * 3, median_step_ms=ms * 0.9)
+
+    rows = [row("muon", 1000, 200.0), row("soap", 800, 400.0),
+            row("kfac-eigen-adam", 900, 250.0), row("kfac-muon", 800, 220.0)]  # fmt: skip
+    lines = _where_time_goes(rows, workload, "text")
+    assert lines[0].startswith(
+        "- text: kfac-muon takes 0.88x the time of muon (the best other): "
+        "0.80x the steps to the target at 1.10x the time per step"
+    )
+    assert lines[1].startswith("- text: kfac-eigen-adam takes 1.12x the time of muon")
+    assert lines[2] == (
+        "- text, mean time per step (refresh steps included): kfac-muon 1.10x muon, 0.55x soap; "
+        "kfac-eigen-adam 1.25x muon, 0.62x soap."
+    )
