@@ -21,10 +21,21 @@ from spdkfac.training.config import (
     check_model_name,
     load_config_file,
 )
+from spdkfac.training.kfac_options import TRANSFORMER_RECIPES
 
 __all__ = ["add_parser", "run"]
 
 _UNSET: Any = object()
+
+
+def _recipe_flags() -> str:
+    """The transformer recipe's defaults as flags, e.g. ``kfac-muon --damping 0.3``."""
+    return "; ".join(
+        " ".join([name, *(f"--{key.replace('_', '-')} {value}" for key, value in
+                          recipe.defaults.items())])
+        for name, recipe in TRANSFORMER_RECIPES.items()
+    )  # fmt: skip
+
 
 _HELP: dict[str, str] = {
     "model": "model name (resnet20/32/56, cnn, mlp, wrn16-4, resnet50/152, densenet121/201, "
@@ -60,7 +71,7 @@ _HELP: dict[str, str] = {
     "heavyball package; the transformer recipe, K-FAC on the hidden Linear layers only, "
     "no KL clip: kfac-muon = one-sided K-FAC (A only, --damping relative to A's mean "
     "eigenvalue) then Muon, kfac-eigen-adam = Adam in K-FAC's eigen-bases, refreshed every "
-    "--inv-update-steps; AdamW on the rest)",
+    f"--inv-update-steps; AdamW on the rest; unless given: {_recipe_flags()})",
     "lr": "peak learning rate",
     "momentum": "SGD and Muon momentum, in [0, 1) (AdamW's beta1 is 0.9, SOAP keeps its "
     "default betas)",
@@ -219,14 +230,14 @@ def _defaults() -> dict[str, Any]:
 
 
 def _config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, then the config file, then the flags given on the command line."""
+    """The config file, then the flags given on the command line; the defaults (the
+    optimizer recipe's first, :meth:`TrainConfig.from_dict`) for what neither gives."""
     parser: argparse.ArgumentParser = args._parser
-    values = _defaults()
-    names = list(values)
+    values: dict[str, Any] = {}
     try:
         if args.config is not None:
             values.update(load_config_file(args.config))
-        for name in names:
+        for name in _defaults():
             given = getattr(args, name, _UNSET)
             if given is not _UNSET:
                 values[name] = given

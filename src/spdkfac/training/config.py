@@ -30,6 +30,7 @@ from spdkfac.training.kfac_options import (
     check_train_kfac,
     kfac_from_flat,
     kfac_to_flat,
+    recipe_defaults,
 )
 from spdkfac.training.recipe import DEFAULT_BETA2, check_recipe
 from spdkfac.types import WeightSharing
@@ -301,8 +302,11 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """Inverse of :meth:`to_dict` (a missing option keeps its default); unknown keys
-        raise ``ValueError`` naming them."""
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError`` naming them. A
+        missing option takes the default of the ``optimizer``'s recipe
+        (:func:`~spdkfac.training.kfac_options.recipe_defaults`: the transformer recipe's
+        damping and refresh intervals), else its own."""
+        values = {**recipe_defaults(values.get("optimizer", cls.optimizer)), **values}
         own = {f.name for f in dataclasses.fields(cls)} - {"kfac", "kfac_schedules"}
         scheduled = {f.name for f in dataclasses.fields(KFACSchedules)}
         unknown = sorted(set(values) - own - scheduled - set(KFAC_FLAGS))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from operator import attrgetter
+from types import MappingProxyType
 from typing import Any
 
 from torch import nn
@@ -26,11 +27,13 @@ from spdkfac.support.checks import check_choice, check_int, check_number
 __all__ = [
     "BATCHNORM_CURVATURES",
     "KFAC_FLAGS",
-    "TRANSFORMER_FORMS",
+    "TRANSFORMER_RECIPES",
     "KFACSchedules",
+    "TransformerRecipe",
     "check_train_kfac",
     "kfac_from_flat",
     "kfac_to_flat",
+    "recipe_defaults",
     "transformer_recipe",
 ]
 
@@ -63,23 +66,50 @@ _FLAGGED_FIELDS = frozenset(
 _PLAIN_NUMBERS = ("damping", "kl_clip", "factor_decay", "factor_update_steps", "inv_update_steps")
 
 
-#: ``--optimizer`` values of the transformer recipe -> the form K-FAC takes the hidden
-#: layers with (every other layer is left to AdamW, and the KL clip is off: Muon's
-#: orthogonalization and Adam's moments set the scale).
-TRANSFORMER_FORMS: dict[str, FormMethod] = {
-    "kfac-muon": "one-sided",
-    "kfac-eigen-adam": "eigen-adam",
-}
+@dataclass(frozen=True)
+class TransformerRecipe:
+    """One ``--optimizer`` of the transformer recipe: the form K-FAC takes the hidden
+    layers with (every other layer is left to AdamW, and the KL clip is off: Muon's
+    orthogonalization and Adam's moments set the scale), and the flat-form defaults the
+    recipe runs with where neither a flag nor a config file gives the option."""
+
+    form: FormMethod
+    defaults: Mapping[str, Any]
+
+
+#: ``--optimizer`` values of the transformer recipe. Their defaults come from the recorded
+#: pilots (``benchmarks/reports/pilot_text_forms/report.md``): kfac-muon was level with
+#: Muon at relative damping 0.3 and behind it at 0.1 and 0.01, with factors every 5 steps
+#: and inverses every 10 at 1.03x Muon's step.
+TRANSFORMER_RECIPES: Mapping[str, TransformerRecipe] = MappingProxyType(
+    {
+        "kfac-muon": TransformerRecipe(
+            "one-sided",
+            MappingProxyType({"damping": 0.3, "factor_update_steps": 5, "inv_update_steps": 10}),
+        ),
+        "kfac-eigen-adam": TransformerRecipe(
+            "eigen-adam", MappingProxyType({"factor_update_steps": 5, "inv_update_steps": 10})
+        ),
+    }
+)
+
+
+def recipe_defaults(optimizer: object) -> dict[str, Any]:
+    """The flat-form defaults of ``--optimizer`` ``optimizer`` beyond the options' own
+    (empty but for the transformer recipe)."""
+    recipe = TRANSFORMER_RECIPES.get(optimizer) if isinstance(optimizer, str) else None
+    return {} if recipe is None else dict(recipe.defaults)
 
 
 def transformer_recipe(
     kfac: KFACConfig, optimizer: str, hidden: set[str], model: nn.Module
 ) -> KFACConfig:
     """``kfac`` as ``--optimizer`` ``optimizer`` runs it: for the transformer recipe
-    (:data:`TRANSFORMER_FORMS`), its form on the ``hidden`` layers of ``model`` (names in
-    the user's module) only, without the KL clip; any other optimizer's ``kfac`` as it is."""
-    form = TRANSFORMER_FORMS.get(optimizer)
-    if form is None:
+    (:data:`TRANSFORMER_RECIPES`), its form on the ``hidden`` layers of ``model`` (names
+    in the user's module) only, without the KL clip; any other optimizer's ``kfac`` as it
+    is."""
+    recipe = TRANSFORMER_RECIPES.get(optimizer)
+    if recipe is None:
         return kfac
     skipped = tuple(
         name
@@ -88,7 +118,7 @@ def transformer_recipe(
         and name not in hidden
         and isinstance(module.__dict__.get("_parameters", {}).get("weight"), nn.Parameter)
     )
-    return replace(kfac, inverse_method=form, kl_clip=None, skip_layers=skipped)
+    return replace(kfac, inverse_method=recipe.form, kl_clip=None, skip_layers=skipped)
 
 
 def kfac_to_flat(kfac: KFACConfig) -> dict[str, Any]:
