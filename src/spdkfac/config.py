@@ -12,14 +12,7 @@ import torch
 from spdkfac.comm.pipeline import ExchangeSettings
 from spdkfac.curvature.collector import CollectorSettings
 from spdkfac.curvature.discovery import BlockSettings
-from spdkfac.forms import (
-    FORM_METHODS,
-    GRAFTINGS,
-    FormMethod,
-    GraftingName,
-    InverseForm,
-    inverse_form,
-)
+from spdkfac.forms import FormMethod, GraftingName, InverseForm, inverse_form
 from spdkfac.layers import FactorOptions
 from spdkfac.planning.schedule import SCHEDULER_POLICIES
 from spdkfac.schedules import resolve_float, resolve_interval
@@ -199,14 +192,12 @@ class KFACConfig:
                 plain(name, check_int(name, value))
         if self.kl_clip is not None and not callable(self.kl_clip):
             plain("kl_clip", check_number("kl_clip", self.kl_clip))
-        check_choice("inverse_method", self.inverse_method, FORM_METHODS)
+        self.inverse_form  # noqa: B018 (raises ValueError naming a bad inverse_method or grafting)
         if self.inverse_method == "eigen-adam" and self.kl_clip is not None:
             raise ValueError(
                 f"kl_clip must be None with inverse_method='eigen-adam' (got {self.kl_clip!r}): "
                 "its direction carries Adam's own scale, which the KL clip would rescale"
             )
-        if self.grafting is not None:
-            check_choice("grafting", self.grafting, GRAFTINGS)
         check_choice("inverse_dtype", self.inverse_dtype, _DTYPES)
         check_choice("factor_dtype", self.factor_dtype, _DTYPES)
         object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers))
