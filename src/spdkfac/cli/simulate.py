@@ -1,5 +1,5 @@
-"""``spdkfac simulate``: project D-KFAC, MPD-KFAC, SPD-KFAC and Osawa et al.'s owner-computes
-K-FAC onto clusters we do not have."""
+"""``spdkfac simulate``: project D-KFAC, MPD-KFAC, SPD-KFAC, Osawa et al.'s owner-computes
+K-FAC and ``layer-paths`` onto clusters we do not have."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def add_parser(verbs: Any) -> None:
     """Register the ``simulate`` verb on an ``argparse`` sub-parser collection."""
     parser: argparse.ArgumentParser = verbs.add_parser(
         "simulate",
-        help="simulate D-KFAC, MPD-KFAC, SPD-KFAC, Osawa et al. and ablations on P workers",
+        help="simulate D-KFAC, MPD-KFAC, SPD-KFAC, Osawa et al., layer-paths and ablations on P "
+        "workers",
         description=(
             "Trace the model's layer shapes on the meta device, plan every strategy with the "
             "real planners and simulate one iteration per rank with a discrete-event model "

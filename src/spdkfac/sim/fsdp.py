@@ -8,10 +8,13 @@ reduce-scatter of its gradients after it. K-FAC under FSDP2 adds, at ``step()``
 
 * replicated strategies (``d-kfac``, ``spd-kfac``, ``mpd-kfac``, ...): an all-gather of
   each of the layer's parameters' full gradients;
-* owner-computes (``osawa``): one reduce-scatter that brings the layer's full gradient to
+* owner-computes (``osawa``; ``layer-paths``' owner-path layers, its others as the
+  replicated strategies'): one reduce-scatter that brings the layer's full gradient to
   its owner (every rank sends the layer's full size in P chunks, the owner's non-empty),
   so its buffer is P times the layer's bytes; the owner's broadcast of the preconditioned
-  result is the one the strategy has under DDP too (it needs no inverse broadcast).
+  result is the one the strategy has under DDP too (it needs no inverse broadcast). The
+  owner-path layers are the DDP simulation's
+  (:attr:`~spdkfac.sim.strategies.StrategySetup.layer_owners`), from the same planners.
 
 Every collective is priced at the world size by the preset's cheapest algorithm
 (``Hardware.collective(op, P).predict(n)``, ``n`` the whole buffer as in
@@ -30,7 +33,7 @@ units' all-gathers do not contend with the factor buckets on the link.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from spdkfac.sim.collectives import CollectiveOp
@@ -38,7 +41,7 @@ from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.hardware import Hardware
 from spdkfac.sim.items import Op
 from spdkfac.sim.simulator import StrategyResult, simulate_strategy
-from spdkfac.sim.strategies import Strategy, selection
+from spdkfac.sim.strategies import Strategy, prepare, selection
 from spdkfac.sim.workload import Workload
 
 __all__ = [
@@ -96,13 +99,13 @@ def _priced(
 
 
 def _kfac_gathers(
-    workload: Workload, hardware: Hardware, world: int, owner_computes: bool
+    workload: Workload, hardware: Hardware, world: int, owner_layers: Collection[str]
 ) -> list[FsdpCollective]:
     out: list[FsdpCollective] = []
     numel = dict(workload.parameters)
     for layer in workload.layers:
         names = [name for name in numel if name.startswith(f"{layer.name}.")]
-        if owner_computes:
+        if layer.name in owner_layers:
             nbytes = world * _FLOAT32 * sum(numel[name] for name in names)
             op = CollectiveOp.REDUCE_SCATTER
             out.append(_priced(hardware, world, f"owner scatter {layer.name}", op, nbytes, True))
@@ -141,7 +144,10 @@ def fsdp_collectives(
         out.append(_priced(hardware, world_size, label, scatter, nbytes, False))
     chosen = None if kfac is None else _row(kfac)
     if chosen is not None and chosen.uses_kfac:
-        out.extend(_kfac_gathers(workload, hardware, world_size, chosen.owner_computes))
+        # The owner-path layers as the DDP simulation plans them (every layer for osawa,
+        # the path planner's owner layers for layer-paths, none for the replicated rows).
+        setup = prepare(WorkloadCosts(workload, hardware, world_size), chosen)
+        out.extend(_kfac_gathers(workload, hardware, world_size, setup.layer_owners))
     return tuple(out)
 
 

@@ -6,17 +6,26 @@ policy plus an inverse placement), shared with the preconditioner and ``spdkfac 
 :attr:`~spdkfac.config.KFACConfig.selection`, an :class:`~spdkfac.strategies.AutoStrategy`).
 :func:`prepare` makes, for one workload, hardware and world size, exactly the plans a
 real ``KFACPreconditioner`` would: the inverse :class:`~spdkfac.planning.placement.Plan` of
-the workload's factors (its blocks' ``inverse_specs``, priced in its inverse form) from
-:func:`~spdkfac.planning.placement.plan_inversions`, the row's broadcast grouping (in the
-form's wire size) and the factor buckets of :mod:`spdkfac.planning.fusion`; the
-``optimal`` policy plans from the hand-over times the compute-only timeline gives, as the
-real one plans from rank 0's measurements. DDP's
-gradient buckets follow the order gradients become final, with its 1 MiB first bucket.
+the workload's factors (its blocks' ``inverse_specs``, priced in its inverse form) from the
+row's final-stage policy (:meth:`~spdkfac.planning.final.FinalPolicy.place`, as the
+engine's assembler calls it), the row's broadcast grouping (in the form's wire size) and
+the buckets of :mod:`spdkfac.sim.buckets` (the fusion policy's factor buckets, DDP's
+gradient buckets).
 
-A row with ``owner_computes`` (Osawa et al. 2019) is planned the same way with its own
-placement policy (:func:`~spdkfac.planning.placement.plan_layer_owners`: one owner per layer) and
-has no inverse broadcasts; :attr:`StrategySetup.layer_owners` says which rank owns each
-layer.
+A row whose owners precondition runs the owner stage (:attr:`StrategySetup.owner_computes`,
+on more than one rank; :mod:`spdkfac.sim.owners`), and :attr:`StrategySetup.layer_owners`
+says which rank owns each owner-path layer:
+
+- ``osawa`` (Osawa et al. 2019, "Large-scale distributed second-order optimization using
+  Kronecker-factored approximate curvature", Sec. 3, Fig. 1): every layer, placed by
+  :func:`~spdkfac.planning.placement.plan_layer_owners` (one owner per layer); no inverse
+  is broadcast;
+- ``layer-paths``: the layers of the plan's ``owner_layers``, which
+  :func:`~spdkfac.planning.paths.plan_gradient_paths` sends the owner way by the cost
+  model; the others take the replicated path of SPD-KFAC (Shi, Zhang, Li 2021,
+  "Accelerating Distributed K-FAC with Smart Parallelism of Computing and Communication
+  Tasks", Sec. 4): their factors placed by the row's placement policy (CT/NCT), the CT
+  results broadcast in :attr:`StrategySetup.groups`, every rank preconditioning them.
 
 ``comm_scheduler`` (:mod:`spdkfac.sim.window`) plans the backward window's order with the
 runtime's planner: :attr:`StrategySetup.window` (None: ``"fifo"``, or no window).
@@ -26,19 +35,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import cast
 
 from spdkfac.config import KFACConfig
-from spdkfac.linalg import packed_size
 from spdkfac.planning.broadcasts import BroadcastGroup
-from spdkfac.planning.fusion import FusionInputs, FusionPlan, FusionPolicy
-from spdkfac.planning.placement import EVERY_RANK, Plan, plan_inversions
+from spdkfac.planning.final import FinalPolicy
+from spdkfac.planning.fusion import FusionPlan
+from spdkfac.planning.paths import LayerGradient
+from spdkfac.planning.placement import EVERY_RANK, FactorSpec, Plan
 from spdkfac.planning.schedule import CommSchedule
+from spdkfac.sim.buckets import factor_fusion, grad_buckets
 from spdkfac.sim.costs import WorkloadCosts
 from spdkfac.sim.window import window_policy
-from spdkfac.sim.workload import FactorHook, GradReady, Op
+from spdkfac.sim.workload import Workload
 from spdkfac.strategies import SGD, STRATEGIES, STRATEGY_NAMES, AutoStrategy, Strategy
 from spdkfac.types import StrategyName
 
@@ -49,19 +60,19 @@ __all__ = [
     "Strategy",
     "StrategySetup",
     "factor_memory_bytes",
+    "layer_gradients",
     "parse_strategies",
     "plan_summary",
     "prepare",
     "selection",
 ]
 
-#: Every strategy row the simulator knows: SGD and the rows of the one strategy table
-#: (names match ``spdkfac bench``'s variants).
-#: ``layer-paths`` (each layer's gradient path by the cost model) is not modelled yet.
-STRATEGY_TABLE: dict[str, Strategy] = {
-    SGD.name: SGD,
-    **{name: row for name, row in STRATEGIES.items() if not row.final.chooses_paths},
-}
+#: Every strategy row the simulator knows: SGD and every row of the one strategy table
+#: (names match ``spdkfac bench``'s variants). ``layer-paths`` is modelled as the real run
+#: composes it: the real path planner's owner layers take osawa's owner path, the others
+#: the replicated path with their inverse broadcasts, on one timeline (:func:`prepare`,
+#: :mod:`spdkfac.sim.owners`).
+STRATEGY_TABLE: dict[str, Strategy] = {SGD.name: SGD, **STRATEGIES}
 #: Every name :func:`selection` takes: the rows, and the ``strategy=`` values that are
 #: no row (``"auto"``).
 SELECTION_NAMES: tuple[str, ...] = (
@@ -126,12 +137,16 @@ class StrategySetup:
         groups: Broadcasts of communicated inverses, in issue order.
         fusion: Factor buckets (None for SGD or one rank).
         grad_buckets: DDP's gradient buckets (parameter names), in launch order.
-        layer_owners: For an owner-computes strategy on more than one rank, layer name →
-            the rank that owns it (from ``plan``); empty otherwise.
+        layer_owners: With the owner stage, each owner-path layer → the rank that owns
+            it (from ``plan``: every layer for ``osawa``, the plan's ``owner_layers`` for
+            ``layer-paths``); empty otherwise. The other layers take the replicated path.
         comm_scheduler: How the backward window's collectives are ordered
             (:data:`~spdkfac.sim.window.WINDOW_POLICIES`).
         window: The order of factor steps' gradient and factor chunks (None: none planned,
             the buckets go as with ``"fifo"``).
+        owner_computes: The owner stage runs (a row whose owners precondition, on more
+            than one rank): factors and gradients travel to ``layer_owners``, owners
+            precondition their layers, every rank the rest, and the results are gathered.
     """
 
     strategy: Strategy
@@ -143,118 +158,25 @@ class StrategySetup:
     layer_owners: Mapping[str, int] = field(default_factory=dict)
     comm_scheduler: str = "fifo"
     window: CommSchedule | None = None
+    owner_computes: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_owners", MappingProxyType(dict(self.layer_owners)))
 
-    @property
-    def owner_computes(self) -> bool:
-        """Owners invert and precondition their layers (Osawa et al.), on > 1 rank."""
-        return bool(self.layer_owners)
-
-    def owned_layers(self, rank: int) -> tuple[str, ...]:
-        """The layers ``rank`` owns, in forward order (every layer when nobody owns)."""
-        layers = self.costs.workload.layers
-        if not self.layer_owners:
-            return tuple(layer.name for layer in layers)
-        return tuple(layer.name for layer in layers if self.layer_owners[layer.name] == rank)
+    def held_layers(self, rank: int) -> tuple[str, ...]:
+        """The layers ``rank`` holds the factors of and preconditions, in forward order:
+        those it owns and every replicated-path layer (every layer when nobody owns)."""
+        owners = self.layer_owners
+        return tuple(
+            layer.name
+            for layer in self.costs.workload.layers
+            if owners.get(layer.name, rank) == rank
+        )
 
     def parameter_owner(self, parameter: str) -> int | None:
         """The owner of ``parameter``'s layer (``"<layer>.<name>"``); None when its
         module has no owner (a norm layer) or nobody owns layers."""
         return self.layer_owners.get(parameter.rpartition(".")[0])
-
-
-def _grad_buckets(costs: WorkloadCosts) -> tuple[tuple[str, ...], ...]:
-    hardware = costs.hardware
-    ready = [item for item in costs.workload.backward if isinstance(item, GradReady)]
-    buckets: list[list[str]] = []
-    size = 0
-    for item in ready:
-        cap = hardware.first_grad_bucket_bytes if len(buckets) <= 1 else hardware.grad_bucket_bytes
-        nbytes = item.numel * 4
-        if not buckets or (size and size + nbytes > cap):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(item.parameter)
-        size += nbytes
-    return tuple(tuple(bucket) for bucket in buckets)
-
-
-def hand_over_times(costs: WorkloadCosts) -> tuple[list[float], list[float]]:
-    """When each A (forward order) and G (hook order) is handed to the exchange, on a
-    compute-only timeline (what the ``optimal`` policy measures during warm-up)."""
-    now = 0.0
-    a_ready: list[float] = []
-    g_ready: list[float] = []
-    workload = costs.workload
-    for items, ready in ((workload.forward, a_ready), (workload.backward, g_ready)):
-        for item in items:
-            if isinstance(item, Op):
-                now += costs.op(item)
-            elif isinstance(item, FactorHook):
-                now += costs.factor(workload.layer(item.layer), item.kind)
-                ready.append(now)
-    return a_ready, g_ready
-
-
-def _fusion(
-    costs: WorkloadCosts,
-    policy: FusionPolicy,
-    busy: tuple[tuple[float, float], ...] = (),
-    chunk_elements: int | None = None,
-) -> FusionPlan:
-    workload = costs.workload
-    a_order = tuple(f"{layer.name}/A" for layer in workload.layers)
-    g_order = tuple(f"{name}/G" for name in workload.g_order)
-    sizes = {
-        f"{layer.name}/{kind}": packed_size(dim)
-        for layer in workload.layers
-        for kind, dim in (("A", layer.a_dim), ("G", layer.g_dim))
-    }
-    inputs = FusionInputs(
-        a_order=a_order,
-        g_order=g_order,
-        sizes=sizes,
-        bucket_cap_elements=max(1, costs.hardware.factor_bucket_bytes // 4),
-        allreduce=costs.hardware.cost_model(costs.world_size).allreduce,
-        bytes_per_element=4,
-    )
-    if not policy.measured:
-        return policy.plan(inputs)
-    # Measured policies plan from the hand-over times of the compute-only timeline, as
-    # the real one plans from rank 0's measurements: from the step's first hand-over,
-    # the clock of ``busy`` (which counts from the forward pass's start) too.
-    a_times, g_times = _hand_overs_by_key(costs)
-    a_keys = tuple(sorted(a_order, key=lambda key: a_times[key]))
-    g_keys = tuple(sorted(g_order, key=lambda key: g_times[key]))
-    origin = min((*a_times.values(), *g_times.values()), default=0.0)
-    return policy.plan(
-        replace(
-            inputs,
-            a_order=a_keys,
-            g_order=g_keys,
-            a_ready=tuple(a_times[key] - origin for key in a_keys),
-            g_ready=tuple(g_times[key] - origin for key in g_keys),
-            busy=tuple((start - origin, end - origin) for start, end in busy),
-            chunk_elements=chunk_elements,
-        )
-    )
-
-
-def _hand_overs_by_key(costs: WorkloadCosts) -> tuple[dict[str, float], dict[str, float]]:
-    """When each A and G factor is complete on the compute-only timeline, by slot key."""
-    a_ready, g_ready = hand_over_times(costs)
-    workload = costs.workload
-    a_hooks = [i.layer for i in workload.forward if isinstance(i, FactorHook)]
-    g_hooks = [i.layer for i in workload.backward if isinstance(i, FactorHook)]
-    # A layer called several times hands its factor over after its last call.
-    a_times = {f"{name}/A": when for name, when in zip(a_hooks, a_ready, strict=True)}
-    g_times = {f"{name}/G": when for name, when in zip(g_hooks, g_ready, strict=True)}
-    for layer in workload.layers:
-        a_times.setdefault(f"{layer.name}/A", max(a_ready, default=0.0))
-        g_times.setdefault(f"{layer.name}/G", max(g_ready, default=0.0))
-    return a_times, g_times
 
 
 def prepare(
@@ -267,28 +189,27 @@ def prepare(
     """Make the plans ``strategy`` runs with for ``costs``' workload and world size.
 
     ``plan`` replaces the strategy's inverse placement (for placements of your own; it
-    must cover every factor of the workload for this world size). ``comm_scheduler``
-    orders the backward window (:mod:`spdkfac.sim.window`).
+    must cover every factor of the workload for this world size; for ``layer-paths`` its
+    ``owner_layers`` are the owner-path layers). ``comm_scheduler`` orders the backward
+    window (:mod:`spdkfac.sim.window`).
 
     Raises:
         ValueError: A plan that does not fit, or an unknown ``comm_scheduler``.
     """
-    if strategy.final.chooses_paths:
-        raise ValueError(
-            f"strategy={strategy.name!r}: the simulator does not model per-layer gradient paths yet"
-        )
     scheduler = window_policy(comm_scheduler)
     world_size = costs.world_size
-    grad_buckets = _grad_buckets(costs) if world_size > 1 else ()
+    buckets = grad_buckets(costs) if world_size > 1 else ()
     if not strategy.uses_kfac:
         return StrategySetup(
-            strategy, costs, None, (), None, grad_buckets, comm_scheduler=comm_scheduler
+            strategy, costs, None, (), None, buckets, comm_scheduler=comm_scheduler
         )
     assert strategy.placement_policy is not None and strategy.fusion is not None
     cost_model = costs.hardware.cost_model(world_size)
-    specs = costs.workload.factors
+    workload = costs.workload
+    specs = workload.factors
     if plan is None:
-        plan = plan_inversions(specs, world_size, strategy.placement_policy, cost_model)
+        layers = layer_gradients(workload)
+        plan = strategy.final.place(strategy.placement_policy, layers, world_size, cost_model)
     elif plan.world_size != world_size or sorted(s.key for s in plan.factors) != sorted(
         s.key for s in specs
     ):
@@ -296,40 +217,61 @@ def prepare(
     groups: tuple[BroadcastGroup, ...] = ()
     fusion = None
     owners: dict[str, int] = {}
+    owner_stage = world_size > 1 and strategy.final.owners_precondition
     if world_size > 1:
-        if strategy.final.owners_precondition:
-            owners = _layer_owners(plan)
-        else:
-            available = {spec.key: None for spec in specs}
-            wire = costs.workload.form.wire_size
-            groups = tuple(strategy.broadcasts.groups(plan, available, cost_model, wire))
+        if owner_stage:
+            owners = _layer_owners(plan, strategy.final)
+        # As the inverse phase groups them: the replicated-path layers' results only
+        # (owners keep theirs).
+        available = {spec.key: None for spec in specs if spec.layer not in owners}
+        wire = workload.form.wire_size
+        groups = tuple(strategy.broadcasts.groups(plan, available, cost_model, wire))
         busy, chunk = (
-            scheduler.gradient_busy(costs, strategy, grad_buckets)
+            scheduler.gradient_busy(costs, strategy, buckets)
             if strategy.fusion.around_gradients
             else ((), None)
         )
-        fusion = _fusion(costs, strategy.fusion, busy, chunk)
+        fusion = factor_fusion(costs, strategy.fusion, busy, chunk)
     return StrategySetup(
         strategy,
         costs,
         plan,
         groups,
         fusion,
-        grad_buckets,
+        buckets,
         owners,
         comm_scheduler=comm_scheduler,
-        window=scheduler.plan(costs, strategy, grad_buckets, fusion),
+        window=scheduler.plan(costs, strategy, buckets, fusion),
+        owner_computes=owner_stage,
     )
 
 
-def _layer_owners(plan: Plan) -> dict[str, int]:
-    """Layer → owner rank of an owner-computes plan.
+def layer_gradients(workload: Workload) -> list[LayerGradient]:
+    """The layers with placed factors as the placement and the path planner see them (the
+    engine's ``layer_gradients``): their factors, in registration order, and the ``g·a``
+    elements of their gradient matrix."""
+    factors: dict[str, list[FactorSpec]] = {}
+    for spec in workload.factors:
+        factors.setdefault(spec.layer, []).append(spec)
+    return [
+        LayerGradient(name, workload.layer(name).g_dim * workload.layer(name).a_dim, tuple(specs))
+        for name, specs in factors.items()
+    ]
+
+
+def _layer_owners(plan: Plan, final: FinalPolicy) -> dict[str, int]:
+    """Owner-path layer → owner rank: the plan's ``owner_layers`` when the row chooses
+    paths, else every layer of the plan.
 
     Raises:
-        ValueError: A factor inverted on every rank, or a layer's factors on two ranks.
+        ValueError: An owner-path layer's factor inverted on every rank, or its factors on
+            two ranks.
     """
+    chosen = plan.owner_layers if final.chooses_paths else {spec.layer for spec in plan.factors}
     owners: dict[str, int] = {}
     for spec, owner in zip(plan.factors, plan.owners, strict=True):
+        if spec.layer not in chosen:
+            continue
         if owner == EVERY_RANK or owners.setdefault(spec.layer, owner) != owner:
             raise ValueError(
                 f"an owner-computes strategy needs every factor of a layer on one rank; "
@@ -349,8 +291,9 @@ def factor_memory_bytes(setup: StrategySetup) -> int:
     As the real blocks store them (``KFACPreconditioner.memory_bytes()``): each A and G
     a full float32 square, each result in its inverse form's shape (a square for a
     damped inverse, ``[d, d + 1]`` for an eigen-basis). D-KFAC, MPD-KFAC and SPD-KFAC hold
-    every factor and every result on every rank (broadcast results are unpacked); an
-    owner-computes strategy only its own layers'. SGD holds none.
+    every factor and every result on every rank (broadcast results are unpacked); with the
+    owner stage a rank holds its own owner-path layers' and every replicated-path layer's
+    (``osawa``: its own only). SGD holds none.
     """
     if not setup.strategy.uses_kfac:
         return 0
@@ -361,12 +304,11 @@ def factor_memory_bytes(setup: StrategySetup) -> int:
         * sum(dim**2 + math.prod(form.shape(dim)) for dim in (layer.a_dim, layer.g_dim))
         for layer in workload.layers
     }
-    if not setup.layer_owners:
-        return sum(per_layer.values())
+    shared = sum(size for name, size in per_layer.items() if name not in setup.layer_owners)
     loads: dict[int, int] = {}
     for name, owner in setup.layer_owners.items():
         loads[owner] = loads.get(owner, 0) + per_layer[name]
-    return max(loads.values(), default=0)
+    return shared + max(loads.values(), default=0)
 
 
 def plan_summary(setup: StrategySetup) -> str:
@@ -377,19 +319,32 @@ def plan_summary(setup: StrategySetup) -> str:
 
 
 def _placement_summary(setup: StrategySetup, plan: Plan) -> str:
-    if setup.owner_computes:
-        counts: dict[int, int] = {}
-        for owner in setup.layer_owners.values():
-            counts[owner] = counts.get(owner, 0) + 1
+    owned = setup.layer_owners
+    shared = [o for s, o in zip(plan.factors, plan.owners, strict=True) if s.layer not in owned]
+    communicated = sum(owner != EVERY_RANK for owner in shared)
+    broadcasts = (
+        f"{communicated}/{len(shared)} factors communicated in {len(setup.groups)} broadcast(s)"
+    )
+    nct = f"NCT {1000 * plan.replicated_seconds():.2f} ms"
+    if not setup.owner_computes:
         return (
-            f"{plan.placement}: {len(setup.layer_owners)} layers on {len(counts)} owner(s) (at "
-            f"most {max(counts.values())} per rank), max inverse load "
-            f"{1000 * max(plan.loads()):.2f} ms, no inverse broadcast, gather in "
-            f"{len(counts)} broadcast(s)"
+            f"{plan.placement}: {broadcasts}, max CT load {1000 * max(plan.loads()):.2f} ms, {nct}"
         )
-    communicated = sum(owner >= 0 for owner in plan.owners)
+    counts: dict[int, int] = {}
+    for owner in owned.values():
+        counts[owner] = counts.get(owner, 0) + 1
+    owners = (
+        f"{len(owned)} layers on {len(counts)} owner(s) (at most {max(counts.values())} per rank)"
+        if owned
+        else "no layer on an owner"
+    )
+    replicated = len({spec.layer for spec in plan.factors} - set(owned))
+    rest = (
+        f"{replicated} replicated layer(s): {broadcasts}, {nct}"
+        if shared
+        else "no inverse broadcast"
+    )
     return (
-        f"{plan.placement}: {communicated}/{len(plan.factors)} factors communicated in "
-        f"{len(setup.groups)} broadcast(s), max CT load {1000 * max(plan.loads()):.2f} ms, "
-        f"NCT {1000 * plan.replicated_seconds():.2f} ms"
+        f"{plan.placement}: {owners}, max inverse load {1000 * max(plan.loads()):.2f} ms, "
+        f"{rest}, gather in {len(counts)} broadcast(s)"
     )

@@ -14,19 +14,22 @@ Per rank, in order (names are the profiler's ``kfac/<phase>/<layer>``):
    buckets and the weights all-reduce, ``factor_comm/wait`` (unpacking included),
    ``factor_compute/running_average``; otherwise the one-element skip-flag all-reduce
    (``flag_comm/skip``).
-6. On inverse steps, :func:`~spdkfac.engine.inversion.invert_factors` as it runs: for each
-   broadcast group in order the owner inverts its members (``inverse_compute/<key>``),
-   packs and issues the broadcast, the others issue at once; then every rank inverts the
-   NCT factors; then ``inverse_comm/wait`` per group (receivers unpack) and
-   ``inverse_comm/failures``, the all-reduce of failure flags.
+6. On inverse steps, :func:`~spdkfac.engine.inversion.invert_factors` as it runs
+   (:mod:`spdkfac.sim.inverses`): for each broadcast group in order the owner inverts its
+   members (``inverse_compute/<key>``), packs and issues the broadcast, the others issue
+   at once; then every rank inverts the NCT factors; then ``inverse_comm/wait`` per group
+   (receivers unpack) and ``inverse_comm/failures``, the all-reduce of failure flags.
 7. ``precondition/<layer>``, ``precondition/kl_clip``; ``step`` closes; the optimizer step;
    ``iteration`` closes.
 
-A strategy whose owners compute (Osawa et al. 2019; ``StrategySetup.owner_computes``)
-reduce-scatters its factor and gradient buckets instead (one reduce per owner's chunk,
+A strategy whose owners compute (``StrategySetup.owner_computes``: Osawa et al. 2019's
+``osawa``, and ``layer-paths``, which sends only the path planner's owner layers that
+way) reduce-scatters its owner-path layers' factors and gradients instead (one reduce per
+owner's chunk, then one all-reduce of the replicated-path layers' part,
 :mod:`spdkfac.sim.owners`), and replaces steps 5-7 after the factor wait by
-:func:`~spdkfac.sim.owners.owner_step`: each owner averages, inverts and preconditions its
-own layers, then the preconditioned gradients are gathered.
+:func:`~spdkfac.sim.owners.owner_step`: each rank averages, inverts and preconditions its
+own layers and the replicated-path ones (with step 6's broadcasts of their communicated
+inverses), then the owners' preconditioned gradients are gathered.
 
 With ``Hardware.rank_spread`` > 0 the ranks compute at different speeds (stragglers), so
 faster ranks wait at every collective. Pipelined buckets use a ``factor`` channel of their
@@ -49,7 +52,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from spdkfac.linalg import packed_size
-from spdkfac.planning.placement import EVERY_RANK
 from spdkfac.planning.schedule import FACTORS, GRADIENTS
 from spdkfac.profiling import Phase, phase_of, span_name
 from spdkfac.sim.builder import (
@@ -61,6 +63,7 @@ from spdkfac.sim.builder import (
     issue,
 )
 from spdkfac.sim.collectives import CollectiveOp
+from spdkfac.sim.inverses import inverse_collectives, inverse_phase
 from spdkfac.sim.owners import (
     OwnerCollectives,
     factor_bucket_collectives,
@@ -194,45 +197,6 @@ def _factor_phase(
     out.append(Compute(costs.running_average(), span_name(Phase.FACTOR_COMPUTE, "running_average")))
 
 
-def _inverse_phase(
-    builder: IterationBuilder, rank: int, out: list[Instruction], ids: list[int]
-) -> None:
-    setup, costs = builder.setup, builder.costs
-    plan = setup.plan
-    assert plan is not None
-    dims = {spec.key: spec.dim for spec in plan.factors}
-    if builder.world_size == 1:
-        for spec in plan.factors:
-            out.append(
-                Compute(
-                    costs.inverse(spec.dim, spec.key), span_name(Phase.INVERSE_COMPUTE, spec.key)
-                )
-            )
-        return
-    for group, collective in zip(setup.groups, ids[:-1], strict=True):
-        if group.owner == rank:
-            for key in group.keys:
-                out.append(
-                    Compute(costs.inverse(dims[key], key), span_name(Phase.INVERSE_COMPUTE, key))
-                )
-            pack = sum(costs.pack_inverse(dim) for dim in group.dims)
-            out.append(Compute(pack, span_name(Phase.INVERSE_COMPUTE, "pack")))
-        issue(builder, collective, out)
-    for spec, owner in zip(plan.factors, plan.owners, strict=True):
-        if owner == EVERY_RANK:
-            out.append(
-                Compute(
-                    costs.inverse(spec.dim, spec.key), span_name(Phase.INVERSE_COMPUTE, spec.key)
-                )
-            )
-    for group, collective in zip(setup.groups, ids[:-1], strict=True):
-        out.append(Wait((collective,), span_name(Phase.INVERSE_COMM, "wait")))
-        if group.owner != rank:
-            out.append(Compute(sum(costs.unpack_inverse(dim) for dim in group.dims)))
-    issue(builder, ids[-1], out)
-    out.append(Wait((ids[-1],), span_name(Phase.INVERSE_COMM, "failures")))
-
-
 def _step_prologue(
     builder: IterationBuilder,
     factor_step: bool,
@@ -254,24 +218,6 @@ def _step_prologue(
         flag = builder.collective("skip flag", "default", CollectiveOp.ALL_REDUCE, 4.0)
         issue(builder, flag, out)
         out.append(Wait((flag,), span_name(Phase.FLAG_COMM, "skip")))
-
-
-def _inverse_collectives(builder: IterationBuilder) -> list[int]:
-    """The inverse phase's broadcasts, one per group in the form's wire format, and the
-    failure flags' all-reduce (last)."""
-    setup = builder.setup
-    ids = [
-        builder.collective(
-            f"broadcast {index} from {group.owner}",
-            "default",
-            CollectiveOp.BROADCAST,
-            4.0 * group.elements,
-        )
-        for index, group in enumerate(setup.groups)
-    ]
-    flags = 4.0 * 2 * len(builder.costs.workload.layers)
-    ids.append(builder.collective("failure flags", "default", CollectiveOp.ALL_REDUCE, flags))
-    return ids
 
 
 def _suffix(builder: IterationBuilder) -> list[Instruction]:
@@ -326,7 +272,7 @@ def build_iteration(
         _step_prologue(builder, factor_step, factors, prefix)
     inverses = kfac and inverse_step
     inverse_ids = (
-        _inverse_collectives(builder) if inverses and builder.world_size > 1 and not owners else []
+        inverse_collectives(builder) if inverses and builder.world_size > 1 and not owners else []
     )
     suffix = _suffix(builder)
     shared = None
@@ -339,7 +285,7 @@ def build_iteration(
         if shared is not None:
             middle = owner_step(builder, shared, rank)
         elif inverses:
-            _inverse_phase(builder, rank, middle, inverse_ids)
+            inverse_phase(builder, rank, middle, inverse_ids)
         program = prefix + middle + suffix
         by_phase = {} if jitter is None else jitter[rank]
         if speeds[rank] != 1.0 or by_phase:
