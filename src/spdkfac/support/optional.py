@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 #: Optional packages: import name -> (distribution name, pip name). What each enables is
-#: listed in the README ("Optional packages").
+#: listed in docs/install.md.
 OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
     "torchvision": ("torchvision", "torchvision"),
     "matplotlib": ("matplotlib", "matplotlib"),
