@@ -91,6 +91,8 @@ INVALID: list[tuple[str, object, str | None]] = [
     ("inverse_method", "lu", None),
     ("inverse_method", None, None),
     ("inverse_method", "eigenbasis", None),
+    ("grafting", "rms", None),
+    ("grafting", 1, None),
     ("inverse_dtype", torch.int32, None),
     ("inverse_dtype", "bf16", None),
     ("factor_dtype", torch.int64, None),
