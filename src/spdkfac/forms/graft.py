@@ -109,10 +109,10 @@ class Grafted(InverseForm):
         step = gradient.to(dtype)
         if self.grafting == "adam":
             step = self._adam(step, moments)
+        work = direction.to(dtype)
         size: Tensor = torch.linalg.vector_norm(step)
-        norm: Tensor = torch.linalg.vector_norm(direction.to(dtype))
-        scale = size / norm.clamp(min=torch.finfo(dtype).tiny)
-        return (direction.to(dtype) * scale).to(direction.dtype)
+        norm: Tensor = torch.linalg.vector_norm(work)
+        return (work * (size / norm.clamp(min=torch.finfo(dtype).tiny))).to(direction.dtype)
 
     def _adam(self, step: Tensor, moments: Moments) -> Tensor:
         """Adam's step without momentum, ``∇ / (√v̂ + ε)``; ``v`` updated in place."""
