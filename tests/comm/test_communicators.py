@@ -46,9 +46,14 @@ def _subgroup(rank: int, world_size: int) -> str:
     try:
         comm = TorchDistributedCommunicator(group)
     except ValueError as error:
-        return f"error: {error}"
-    value = comm.broadcast(torch.tensor([float(rank + 5)]), src=1).wait()
-    return f"ok {comm.rank}/{comm.world_size} {value.item()}"
+        result = f"error: {error}"
+    else:
+        value = comm.broadcast(torch.tensor([float(rank + 5)]), src=1).wait()
+        result = f"ok {comm.rank}/{comm.world_size} {value.item()}"
+    # Every rank waits for the others: a rank leaving early closes the store while the
+    # subgroup's members may still be connecting (gloo connectFullMesh under load).
+    dist.barrier()
+    return result
 
 
 def test_subgroup_and_non_member() -> None:
