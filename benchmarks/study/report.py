@@ -30,7 +30,7 @@ from study.analysis import (
     tuning_targets,
 )
 from study.plots import plot_final_runs
-from study.protocol import TARGET_SEED_OFFSET, StudyPlan, Workload
+from study.protocol import TARGET_SEED_OFFSET, StudyPlan, Workload, show
 
 __all__ = ["ratio_lines", "write_report"]
 
@@ -199,6 +199,8 @@ def _final_section(
             )
         decomposition += _where_time_goes(rows, workload, label or workload.name)
     lines += ["", *decomposition]
+    if workload.pilots:
+        lines += ["", f"Tried before the study (pilots, not study trials): {workload.pilots}"]
     machines = sorted({machine_of(r) for r in finished})
     if len(machines) > 1:
         lines += [
@@ -329,7 +331,7 @@ def _trials(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
             )
             summary = record.get("summary") or {"train_seconds": math.nan}
             value = final_value(record, metric)
-            hparams = ", ".join(f"{k}={v:g}" for k, v in record["hparams"].items())
+            hparams = ", ".join(f"{k}={show(v)}" for k, v in record["hparams"].items())
             pace = (
                 (1e3 * summary["train_seconds"] / summary["steps"])
                 if summary.get("steps")
