@@ -252,6 +252,16 @@ def _where_time_goes(rows: Sequence[Row], workload: Workload, label: str) -> lis
         key=lambda row: (row is not chosen, row.optimizer),
     )
     lines = [_decomposition(row, best, label) for row in forms]
+    short = [row for row in (chosen, best) if 2 * row.reached <= len(row.outcomes)]
+    if short:
+        counts = ", ".join(
+            f"{row.optimizer} in {row.reached} of {len(row.outcomes)}" for row in short
+        )
+        lines.append(
+            f"- {label}: reached by {counts} runs only. A run that never reaches the target "
+            "counts as the whole budget at its own pace, so a median without the target "
+            "is the cost of the budget, not a time to the target."
+        )
     others = [row for row in rows if row.optimizer not in workload.kfac]
     if all(math.isfinite(row.ms_per_step) for row in (*forms, *others)):
         costs = "; ".join(

@@ -639,3 +639,12 @@ def test_where_the_time_goes_names_every_k_fac_form_and_its_step_cost() -> None:
         "- text, mean time per step (refresh steps included): kfac-muon 1.10x muon, 0.55x soap; "
         "kfac-eigen-adam 1.25x muon, 0.62x soap."
     )
+    # A median run that never reached the target is said to be the budget's cost.
+    never = Outcome(False, 1500, 300.0)
+    rows[0] = replace(rows[0], outcomes=(never, never, rows[0].outcomes[0]))
+    lines = _where_time_goes(rows, workload, "text")
+    assert lines[2] == (
+        "- text: reached by muon in 1 of 3 runs only. A run that never reaches the target "
+        "counts as the whole budget at its own pace, so a median without the target is the "
+        "cost of the budget, not a time to the target."
+    )
