@@ -13,6 +13,7 @@ __all__ = [
     "MACHINE_NOTE",
     "TEXT_CHANGES",
     "TEXT_CHANGES_R3",
+    "TEXT_R3_PILOTS",
 ]
 
 #: K-FAC's factor statistics from this many of the 128 examples per worker (revision 2).
@@ -107,4 +108,18 @@ TEXT_CHANGES_R3 = (
     "K-FAC rows: `kfac-muon` (one-sided K-FAC preconditioning Muon) and "
     "`kfac-eigen-adam` (Adam in K-FAC's eigenbasis, SOAP's recipe), each once `spdkfac "
     "train` has it. Revisions 1 and 2's runs stay in the report."
+)
+
+#: Text revision 3: what the pilots before it tried (issue 41), for the results.
+TEXT_R3_PILOTS = (
+    "K-FAC preconditioning AdamW (revision 2's row) under SGD with Nesterov momentum, with "
+    "hotter AdamW learning rates and other KL clips, and with each layer's step grafted "
+    "onto Adam's norm (`--grafting adam`: 3.80 bits per byte at step 200 of a 4 x 128 "
+    "GPT on GCIDE, one process, batch 32, against the KL-clipped control's 3.88, Muon's "
+    "3.27 and SOAP's 3.41); one-sided K-FAC at relative damping 0.01, 0.1 and 0.3 before "
+    "Muon (level with Muon at 0.3, behind it at the smaller ones); Adam in K-FAC's "
+    "eigenbases refreshed every 10 steps (4.08 at step 200 from factors every 2 steps, "
+    "4.75 from factors every step at 3x the learning rate, against 4.22 for the same Adam "
+    "in the identity basis). Report: "
+    "benchmarks/reports/pilot_text_forms/report.md."
 )

@@ -31,12 +31,19 @@ __all__ = [
     "Trial",
     "Workload",
     "final_trial",
+    "show",
     "target_trial",
     "tuning_trials",
 ]
 
 #: Target-setting runs use the final runs' seeds plus this (independent of the final runs).
 TARGET_SEED_OFFSET = 100
+
+
+def show(value: Any) -> str:
+    """A drawn value as a flag and the report write it: numbers in ``g`` format (3
+    significant digits at most, as drawn), names (``reduce``) as they are."""
+    return value if isinstance(value, str) else f"{value:g}"
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class LogUniform:
 
 @dataclass(frozen=True)
 class Choice:
-    """One of a few values, uniformly."""
+    """One of a few values (numbers or a flag's names), uniformly."""
 
     values: tuple[Any, ...]
 
@@ -64,7 +71,7 @@ class Choice:
         return rng.choice(self.values)
 
     def describe(self) -> str:
-        return "one of {" + ", ".join(f"{v:g}" for v in self.values) + "}"
+        return "one of {" + ", ".join(map(show, self.values)) + "}"
 
 
 Dimension = LogUniform | Choice
@@ -113,6 +120,8 @@ class Workload:
         target_setting: Whether the target comes from target-setting runs: each
             baseline's chosen configuration over the whole budget, the best baseline's
             median final score (AlgoPerf's rule; see :func:`target_trial`).
+        pilots: What was tried before the study and left out of it, for the results
+            (not part of the protocol: pilots are not study trials).
     """
 
     name: str
@@ -135,6 +144,7 @@ class Workload:
     tune_margin: float = 0.0
     trials: int | None = None
     target_setting: bool = False
+    pilots: str = ""
 
     @property
     def key(self) -> str:
@@ -178,7 +188,7 @@ class Workload:
         # In the space's order, so a record read back (keys sorted) gives the same flags.
         for name in self.spaces[optimizer].dimensions:
             if name in hparams and name not in ("schedule", "warmup"):
-                flags += ["--" + name.replace("_", "-"), f"{hparams[name]:g}"]
+                flags += ["--" + name.replace("_", "-"), show(hparams[name])]
         return flags
 
     def protocol(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from study.analysis import (
     tuning_targets,
 )
 from study.plots import plot_final_runs
-from study.protocol import TARGET_SEED_OFFSET, StudyPlan, Workload
+from study.protocol import TARGET_SEED_OFFSET, StudyPlan, Workload, show
 
 __all__ = ["ratio_lines", "write_report"]
 
@@ -199,6 +199,8 @@ def _final_section(
             )
         decomposition += _where_time_goes(rows, workload, label or workload.name)
     lines += ["", *decomposition]
+    if workload.pilots:
+        lines += ["", f"Tried before the study (pilots, not study trials): {workload.pilots}"]
     machines = sorted({machine_of(r) for r in finished})
     if len(machines) > 1:
         lines += [
@@ -250,6 +252,16 @@ def _where_time_goes(rows: Sequence[Row], workload: Workload, label: str) -> lis
         key=lambda row: (row is not chosen, row.optimizer),
     )
     lines = [_decomposition(row, best, label) for row in forms]
+    short = [row for row in (chosen, best) if 2 * row.reached <= len(row.outcomes)]
+    if short:
+        counts = ", ".join(
+            f"{row.optimizer} in {row.reached} of {len(row.outcomes)}" for row in short
+        )
+        lines.append(
+            f"- {label}: reached by {counts} runs only. A run that never reaches the target "
+            "counts as the whole budget at its own pace, so a median without the target "
+            "is the cost of the budget, not a time to the target."
+        )
     others = [row for row in rows if row.optimizer not in workload.kfac]
     if all(math.isfinite(row.ms_per_step) for row in (*forms, *others)):
         costs = "; ".join(
@@ -329,7 +341,7 @@ def _trials(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
             )
             summary = record.get("summary") or {"train_seconds": math.nan}
             value = final_value(record, metric)
-            hparams = ", ".join(f"{k}={v:g}" for k, v in record["hparams"].items())
+            hparams = ", ".join(f"{k}={show(v)}" for k, v in record["hparams"].items())
             pace = (
                 (1e3 * summary["train_seconds"] / summary["steps"])
                 if summary.get("steps")

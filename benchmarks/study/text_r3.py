@@ -5,7 +5,7 @@ same way (AdamW adds beta2), the target set by the best baseline over the whole 
 from __future__ import annotations
 
 from spdkfac.training.config import OPTIMIZERS
-from study.declared import TEXT_CHANGES_R3
+from study.declared import TEXT_CHANGES_R3, TEXT_R3_PILOTS
 from study.dimensions import ADAMW_DECAY, COMMON, SCHEDULE_R2, WARMUP
 from study.protocol import Choice, Dimension, LogUniform, SearchSpace, Workload
 
@@ -109,4 +109,5 @@ def text_r3(smoke: bool, data: str | None, soap: bool) -> Workload:
         changes=TEXT_CHANGES_R3,
         trials=None if smoke else 8,
         target_setting=True,
+        pilots=TEXT_R3_PILOTS,
     )

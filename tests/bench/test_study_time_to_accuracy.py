@@ -39,7 +39,13 @@ from study.analysis import (  # noqa: E402
     tuning_targets,
 )
 from study.driver import planned_trials, run_study  # noqa: E402
-from study.protocol import Choice, LogUniform, StudyPlan, tuning_trials  # noqa: E402
+from study.protocol import (  # noqa: E402
+    Choice,
+    LogUniform,
+    SearchSpace,
+    StudyPlan,
+    tuning_trials,
+)
 from study.report import _where_time_goes, ratio_lines, write_report  # noqa: E402
 from study.runner import LaunchResult  # noqa: E402
 from study.store import ProtocolMismatchError, TrialStore  # noqa: E402
@@ -284,6 +290,27 @@ def test_revision_3_tunes_around_revision_2s_choices_to_stricter_targets() -> No
     assert [outcome(record, images, "val_accuracy", t).reached for t in targets] == [True, False]
     assert not outcome(record, images, "val_accuracy", 0.935).reached
     assert outcome(record, images, "val_accuracy", 0.92).steps == 5
+
+
+def test_a_dimension_may_choose_among_a_flags_names() -> None:
+    """``--weight-sharing reduce``: a named choice is a flag's value as it is, in the
+    protocol's description and in the report's hyperparameters."""
+    images = build_plan().workload("fashion-mnist")
+    space = images.spaces["kfac"]
+    named = Choice(("expand", "reduce"))
+    workload = replace(
+        images,
+        spaces={"kfac": SearchSpace(space.fixed, {**space.dimensions, "weight_sharing": named})},
+    )
+    assert named.describe() == "one of {expand, reduce}"
+    assert workload.protocol()["spaces"]["kfac"]["dimensions"]["weight_sharing"] == (
+        "one of {expand, reduce}"
+    )
+    drawn = tuning_trials(StudyPlan((workload,), trials=12, seeds=(1,)), workload)
+    assert {t.hparams["weight_sharing"] for t in drawn} == {"expand", "reduce"}
+    for trial in drawn:
+        index = trial.flags.index("--weight-sharing")
+        assert trial.flags[index + 1] == trial.hparams["weight_sharing"]
 
 
 def test_the_committed_study_still_matches_the_plan() -> None:
@@ -564,7 +591,11 @@ def test_text_revision_3_sets_its_target_by_the_best_baselines_full_budget_runs(
         (r for r in rows if r.optimizer in workload.kfac), key=lambda r: r.median_seconds
     )
     assert found[1] is kfac_best and found[2].optimizer in workload.baselines
-    assert f"ratio text: {found[0]:.2f}" in (tmp_path / "report.md").read_text().splitlines()
+    report = (tmp_path / "report.md").read_text()
+    assert f"ratio text: {found[0]:.2f}" in report.splitlines()
+    # What was tried before the study (not study trials) follows where the time goes.
+    tried = report.index("Tried before the study (pilots, not study trials): K-FAC")
+    assert report.index("- text: kfac-") < tried < report.index("pilot_text_forms/report.md")
 
 
 @pytest.mark.usefixtures("kfac_rows")
@@ -607,4 +638,13 @@ def test_where_the_time_goes_names_every_k_fac_form_and_its_step_cost() -> None:
     assert lines[2] == (
         "- text, mean time per step (refresh steps included): kfac-muon 1.10x muon, 0.55x soap; "
         "kfac-eigen-adam 1.25x muon, 0.62x soap."
+    )
+    # A median run that never reached the target is said to be the budget's cost.
+    never = Outcome(False, 1500, 300.0)
+    rows[0] = replace(rows[0], outcomes=(never, never, rows[0].outcomes[0]))
+    lines = _where_time_goes(rows, workload, "text")
+    assert lines[2] == (
+        "- text: reached by muon in 1 of 3 runs only. A run that never reaches the target "
+        "counts as the whole budget at its own pace, so a median without the target is the "
+        "cost of the budget, not a time to the target."
     )
