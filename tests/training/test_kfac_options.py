@@ -120,17 +120,17 @@ def test_the_transformer_recipe_has_its_own_defaults_and_given_values_win(
         return _config_from_args(build_parser().parse_args(["train", *flags])).kfac
 
     muon = kfac("--optimizer", "kfac-muon")
-    assert (muon.damping, muon.factor_update_steps, muon.inv_update_steps) == (0.3, 5, 10)
+    assert (muon.damping, muon.factor_update_steps, muon.inv_update_steps) == (0.654, 5, 50)
     eigen = kfac("--optimizer", "kfac-eigen-adam")
-    assert (eigen.damping, eigen.factor_update_steps, eigen.inv_update_steps) == (0.1, 5, 10)
+    assert (eigen.damping, eigen.factor_update_steps, eigen.inv_update_steps) == (0.1, 10, 10)
     assert kfac("--optimizer", "kfac-adamw") == KFACConfig()
     given = kfac("--optimizer", "kfac-muon", "--damping", "0.05", "--inv-update-steps", "25")
     assert (given.damping, given.factor_update_steps, given.inv_update_steps) == (0.05, 5, 25)
     path = tmp_path / "run.toml"
     path.write_text('optimizer = "kfac-muon"\nfactor_update_steps = 2\n')
     from_file = kfac("--config", str(path))
-    assert (from_file.damping, from_file.factor_update_steps) == (0.3, 2)
-    assert TrainConfig.from_dict({"optimizer": "kfac-muon"}).kfac.damping == 0.3
+    assert (from_file.damping, from_file.factor_update_steps) == (0.654, 2)
+    assert TrainConfig.from_dict({"optimizer": "kfac-muon"}).kfac.damping == 0.654
     # A run's saved configuration holds every value: it reads back as it ran.
     saved = TrainConfig.from_dict({"optimizer": "kfac-muon", "damping": 0.1}).to_dict()
     assert TrainConfig.from_dict(saved).kfac.damping == 0.1

@@ -29,7 +29,7 @@ _UNSET: Any = object()
 
 
 def _recipe_flags() -> str:
-    """The transformer recipe's defaults as flags, e.g. ``kfac-muon --damping 0.3``."""
+    """The transformer recipe's defaults as flags, e.g. ``kfac-muon --damping 0.654``."""
     return "; ".join(
         " ".join([name, *(f"--{key.replace('_', '-')} {value}" for key, value in
                           recipe.defaults.items())])

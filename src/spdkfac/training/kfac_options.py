@@ -77,18 +77,19 @@ class TransformerRecipe:
     defaults: Mapping[str, Any]
 
 
-#: ``--optimizer`` values of the transformer recipe. Their defaults come from the recorded
-#: pilots (``benchmarks/reports/pilot_text_forms/report.md``): kfac-muon was level with
-#: Muon at relative damping 0.3 and behind it at 0.1 and 0.01, with factors every 5 steps
-#: and inverses every 10 at 1.03x Muon's step.
+#: ``--optimizer`` values of the transformer recipe. Their defaults are the configurations
+#: the time-to-result study's text revision 3 chose for them (its report, "Chosen
+#: configurations"): kfac-muon at relative damping 0.654 with factors every 5 steps and
+#: inverses every 50 (its runner-up also refreshed inverses every 50), kfac-eigen-adam with
+#: factors and eigenbases every 10 steps.
 TRANSFORMER_RECIPES: Mapping[str, TransformerRecipe] = MappingProxyType(
     {
         "kfac-muon": TransformerRecipe(
             "one-sided",
-            MappingProxyType({"damping": 0.3, "factor_update_steps": 5, "inv_update_steps": 10}),
+            MappingProxyType({"damping": 0.654, "factor_update_steps": 5, "inv_update_steps": 50}),
         ),
         "kfac-eigen-adam": TransformerRecipe(
-            "eigen-adam", MappingProxyType({"factor_update_steps": 5, "inv_update_steps": 10})
+            "eigen-adam", MappingProxyType({"factor_update_steps": 10, "inv_update_steps": 10})
         ),
     }
 )
