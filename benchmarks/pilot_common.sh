@@ -10,3 +10,18 @@ run() {
     "${COMMON[@]}" --out-dir "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
   report "$name"
 }
+# `accuracy_report SUMMARY NAME METRIC T1 T2`: NAME, steps, mean ms per step, seconds /
+# steps to each target on METRIC (or "never"), then the final METRIC.
+accuracy_report() {
+  python3 - "$@" <<'PY'
+import json, sys
+path, name, metric, *targets = sys.argv[1:]
+d = json.load(open(path))
+hits = []
+for target in map(float, targets):
+    hit = [m for m in d["metrics"] if m.get(metric, 0) >= target]
+    hits.append(f"{hit[0]['train_seconds']:.1f} s / {hit[0]['step']}" if hit else "never")
+mean = 1e3 * d["train_seconds"] / d["steps"]
+print(name, d["steps"], f"{mean:.1f}", *hits, d["metrics"][-1][metric])
+PY
+}

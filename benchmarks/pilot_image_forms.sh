@@ -23,18 +23,7 @@ COMMON=(--model resnet20 --dataset fashion-mnist --batch-size 128 --no-tensorboa
   --factor-update-steps 5 --inv-update-steps 100
   --val-split 0.1 --evals-per-epoch 4 --seed 0)
 KFAC=(--momentum 0.9 --nesterov --lr 0.0807 --weight-decay 0.000317)
-report() {
-  python3 - "$OUT/$1/summary.json" "$1" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-hits = []
-for target in (0.925, 0.935):
-    hit = [m for m in d["metrics"] if m.get("val_accuracy", 0) >= target]
-    hits.append(f"{hit[0]['train_seconds']:.1f} s / {hit[0]['step']}" if hit else "never")
-mean = 1e3 * d["train_seconds"] / d["steps"]
-print(sys.argv[2], d["steps"], f"{mean:.1f}", *hits, d["metrics"][-1]["val_accuracy"])
-PY
-}
+report() { accuracy_report "$OUT/$1/summary.json" "$1" val_accuracy 0.925 0.935; }
 source "$(dirname "$0")/pilot_common.sh"
 run control "${KFAC[@]}" --damping 0.09
 run reduce "${KFAC[@]}" --damping 0.09 --weight-sharing reduce

@@ -11,18 +11,7 @@ COMMON=(--model resnet20 --dataset fashion-mnist --batch-size 128 --no-tensorboa
   --lr-schedule cosine --optimizer kfac --strategy spd-kfac --momentum 0.9 --nesterov
   --factor-examples 32 --epochs 6 --lr 0.0807 --weight-decay 0.000317 --damping 0.09
   --factor-update-steps 5 --inv-update-steps 100 --evals-per-epoch 4)
-report() {
-  python3 - "$OUT/$1/summary.json" "$1" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-hits = []
-for target in (0.92, 0.93):
-    hit = [m for m in d["metrics"] if m.get("test_accuracy", 0) >= target]
-    hits.append(f"{hit[0]['train_seconds']:.1f} s / {hit[0]['step']}" if hit else "never")
-mean = 1e3 * d["train_seconds"] / d["steps"]
-print(sys.argv[2], d["steps"], f"{mean:.1f}", *hits, d["metrics"][-1]["test_accuracy"])
-PY
-}
+report() { accuracy_report "$OUT/$1/summary.json" "$1" test_accuracy 0.92 0.93; }
 source "$(dirname "$0")/pilot_common.sh"
 run reduce-seed1 --weight-sharing reduce --seed 1
 run expand-seed1 --weight-sharing expand --seed 1
