@@ -294,7 +294,7 @@ def test_revision_3_tunes_around_revision_2s_choices_to_stricter_targets() -> No
 
 def test_a_dimension_may_choose_among_a_flags_names() -> None:
     """``--weight-sharing reduce``: a named choice is a flag's value as it is, in the
-    protocol's description and in the report's hyperparameters."""
+    protocol's description and in the trials' flags."""
     images = build_plan().workload("fashion-mnist")
     space = images.spaces["kfac"]
     named = Choice(("expand", "reduce"))
