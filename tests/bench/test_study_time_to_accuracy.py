@@ -159,7 +159,9 @@ def test_trials_are_drawn_the_same_on_every_restart_and_optimizers_alternate() -
                     assert isinstance(dimension, Choice) and value in dimension.values
     assert set(plan.workload("text").spaces) >= {"adamw", "muon"}
     assert plan.trials_of(plan.workload("text")) == 8  # its own number (the study's: 3)
-    assert list(plan.workload("fashion-mnist").spaces) == ["sgd", "adamw", "kfac"]
+    images = plan.workload("fashion-mnist")
+    assert list(images.spaces) == ["sgd", "adamw", "kfac", "kfac-eigen-adam"]
+    assert plan.trials_of(images) == 8 and images.kfac == ("kfac", "kfac-eigen-adam")
 
 
 def test_a_killed_study_continues_where_it_stopped(tmp_path: Path) -> None:
@@ -232,55 +234,74 @@ def test_a_retired_revision_keeps_its_trials_in_the_report_and_out_of_the_result
     tmp_path: Path,
 ) -> None:
     plan = build_plan(smoke=True, trials=1, seeds=(1,))
-    first, second = plan.retired[:2]
-    assert (first.key, second.key) == ("fashion-mnist", "fashion-mnist-r2")
-    assert [w.key for w in plan.retired] == [first.key, second.key, "text", "text-r2"]
-    assert (IMAGES, TEXT) == ("fashion-mnist-r3", "text-r3")
-    # A study that ran revisions 1 and 2 (tuning and final runs) goes on under revision 3.
-    _study(replace(plan, workloads=(first,), retired=()), tmp_path, FakeLauncher())
-    _study(replace(plan, workloads=(second,), retired=(first,)), tmp_path, FakeLauncher())
+    first, second, third = plan.retired[:3]
+    assert (first.key, second.key, third.key) == (
+        "fashion-mnist", "fashion-mnist-r2", "fashion-mnist-r3"
+    )  # fmt: skip
+    assert [w.key for w in plan.retired] == [first.key, second.key, third.key, "text", "text-r2"]
+    assert (IMAGES, TEXT) == ("fashion-mnist-r4", "text-r3")
+    # A study that ran revisions 1 to 3 (tuning and final runs) goes on under revision 4.
+    for index, earlier_revision in enumerate((first, second, third)):
+        retired = (first, second, third)[:index]
+        _study(replace(plan, workloads=(earlier_revision,), retired=retired), tmp_path,
+               FakeLauncher())  # fmt: skip
     earlier = _records(tmp_path)
-    assert [r["workload"] for r in earlier] == ["fashion-mnist"] * 6 + ["fashion-mnist-r2"] * 6
+    assert [r["workload"] for r in earlier] == [
+        key for key in (first.key, second.key, third.key) for _ in range(6)
+    ]
     revised = FakeLauncher()
     _study(plan, tmp_path, revised)
     records = _records(tmp_path)
-    assert records[:12] == earlier  # nothing of revisions 1 and 2 ran again
-    later = [r for r in records[12:] if r["workload"] == IMAGES]
-    assert len(later) == 6 and all(f"-{IMAGES}-" in r["id"] for r in later)
+    assert records[:18] == earlier  # nothing of revisions 1 to 3 ran again
+    later = [r for r in records[18:] if r["workload"] == IMAGES]
+    optimizers = len(plan.workload("fashion-mnist").spaces)  # one trial, one final run each
+    assert len(later) == 2 * optimizers and all(f"-{IMAGES}-" in r["id"] for r in later)
     report = (tmp_path / "report.md").read_text()
-    assert "### Retired: workload fashion-mnist, revision 1" in report
-    assert "### Retired: workload fashion-mnist, revision 2" in report
-    assert "### Workload fashion-mnist (revision 3)" in report
-    assert "Changed from revision 2: a second tuning stage for every optimizer" in report
+    for revision in ("revision 1", "revision 2", "revision 3"):
+        assert f"### Retired: workload fashion-mnist, {revision}" in report
+    assert "### Workload fashion-mnist (revision 4)" in report
+    assert "Changed from revision 3: a third tuning stage for every optimizer" in report
     assert "### fashion-mnist (retired)" in report
-    assert "### fashion-mnist (revision 2) (retired)" in report
+    assert "### fashion-mnist (revision 3) (retired)" in report
     trial_rows = [
         line
         for line in report.splitlines()
         if re.match(r"\| (tune|target|final) \| [\w-]+ \| \d", line)
     ]
     assert len(trial_rows) == len(records)  # every trial, retired ones included
-    # The results come from revision 3 only: one final run (seed 1) per optimizer, not three.
+    # The results come from revision 4 only: one final run (seed 1) per optimizer, not four.
     rows = final_rows(records, plan.workload("fashion-mnist"), 0.6)
-    assert [len(row.outcomes) for row in rows] == [1, 1, 1]
-    # Both retired revisions keep their ratio lines, apart from the answer.
+    assert [len(row.outcomes) for row in rows] == [1] * optimizers
+    # Every retired revision keeps its ratio lines, apart from the answer.
     report_lines = report.splitlines()
-    assert sum(x.startswith("- retired: ratio fashion-mnist 60%") for x in report_lines) == 2
+    assert sum(x.startswith("- retired: ratio fashion-mnist 60%") for x in report_lines) == 3
     assert sum(x.startswith("ratio fashion-mnist 60%") for x in report_lines) == 1
 
 
-def test_revision_3_tunes_around_revision_2s_choices_to_stricter_targets() -> None:
+def test_later_image_revisions_tune_around_the_previous_choices_to_stricter_targets() -> None:
     plan = build_plan()
     images = plan.workload("fashion-mnist")
-    assert images.revision == 3 and images.targets == (0.92, 0.93)
+    assert images.revision == 4 and images.targets == (0.92, 0.93)
     assert tuning_targets((), images) == (0.925, 0.935)
+    assert plan.trials_of(images) == 8
     text = plan.workload("text")
-    assert text.tune_margin == 0 and tuning_targets((), text) == ()  # set by AdamW's trials
-    kfac = images.spaces["kfac"].dimensions
+    assert text.tune_margin == 0 and tuning_targets((), text) == ()  # set by target runs
+    third = next(w for w in plan.retired if w.key == "fashion-mnist-r3")
+    kfac = third.spaces["kfac"].dimensions
     assert kfac["lr"] == LogUniform(0.00947, 0.0852)
     assert kfac["schedule"] == Choice((0.3, 0.4, 0.5, 0.6, 0.8))
-    assert images.spaces["sgd"].dimensions["schedule"] == Choice((0.5, 0.6, 0.8, 1.0))
-    assert images.spaces["adamw"].dimensions["weight_decay"] == LogUniform(0.00667, 0.06)
+    assert third.spaces["sgd"].dimensions["schedule"] == Choice((0.5, 0.6, 0.8, 1.0))
+    assert third.spaces["adamw"].dimensions["weight_decay"] == LogUniform(0.00667, 0.06)
+    # Revision 4: around revision 3's choices; where one sat at a bound, wider.
+    kfac = images.spaces["kfac"].dimensions
+    assert kfac["lr"] == LogUniform(0.0269, 0.242)  # revision 3: at most 0.0852
+    assert kfac["inv_update_steps"] == Choice((50, 100, 200, 400))  # revision 3 chose 100
+    assert kfac["weight_sharing"] == Choice(("expand", "reduce"))
+    assert kfac["factor_examples"] == Choice((16, 32))
+    assert "--factor-examples" not in images.spaces["kfac"].fixed  # searched, not fixed
+    assert images.spaces["sgd"].dimensions["schedule"] == Choice((0.6, 0.8, 1.0))
+    assert images.spaces["sgd"].dimensions["warmup"] == Choice((0.0, 0.05, 0.1, 0.2))
+    assert "weight_sharing" not in images.spaces["sgd"].dimensions
     # A validation curve that passes 92 % but not 92.5 % reaches no tuning target.
     record = {"status": "ok", "summary": {"steps": 10, "train_seconds": 10.0, "metrics": [
         {"step": 5, "epoch": 1, "train_seconds": 5.0, "val_accuracy": 0.924},
