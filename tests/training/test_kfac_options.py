@@ -173,6 +173,18 @@ def test_a_config_file_written_before_the_nesting_reads_as_it_did(tmp_path: Path
     assert {key: config.to_dict()[key] for key in values} == values
 
 
+def test_no_kl_clip_survives_the_config_file(tmp_path: Path) -> None:
+    """``--kl-clip 0`` (None) is written as 0, not left out: left out, the file read back
+    as the default clip (and refused the eigen-adam form, which needs none)."""
+    config = TrainConfig.from_dict({"optimizer": "kfac", "momentum": 0.0, "kl_clip": 0,
+                                    "inverse_method": "eigen-adam"})  # fmt: skip
+    assert config.kfac.kl_clip is None
+    path = tmp_path / "config.toml"
+    path.write_text(config.to_toml())
+    assert "kl_clip = 0.0" in path.read_text().splitlines()
+    assert TrainConfig.from_dict(load_config_file(path)) == config
+
+
 def test_every_recorded_run_config_still_loads() -> None:
     paths = sorted(REPORTS.glob("**/runs/*/config.toml"))
     if not paths:

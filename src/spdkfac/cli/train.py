@@ -241,8 +241,6 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
             given = getattr(args, name, _UNSET)
             if given is not _UNSET:
                 values[name] = given
-        if values.get("kl_clip") == 0:
-            values["kl_clip"] = None
         return TrainConfig.from_dict({**values, "config": args.config})
     except (FileNotFoundError, ValueError, TypeError) as error:
         parser.error(str(error))

@@ -40,13 +40,15 @@ __all__ = [
 #: ``--batchnorm`` values: "off" (plain gradient) or a mode of ``KFACPreconditioner``.
 BATCHNORM_CURVATURES: tuple[str, ...] = ("off", *BATCHNORM_MODES)
 
-_SAME_NAME = ("strategy", "inverse_method", "grafting", "comm_scheduler", "damping", "kl_clip",
+_SAME_NAME = ("strategy", "inverse_method", "grafting", "comm_scheduler", "damping",
               "factor_decay", "factor_update_steps", "inv_update_steps",
               "weight_sharing")  # fmt: skip
 
 #: Flat name -> its value in a :class:`KFACConfig`, in the flat form's order.
 _READERS: dict[str, Callable[[KFACConfig], Any]] = {
     **{name: attrgetter(name) for name in _SAME_NAME},
+    # 0: no KL clip, as the flag says it (a TOML file cannot hold None).
+    "kl_clip": lambda kfac: 0.0 if kfac.kl_clip is None else kfac.kl_clip,
     "factor_examples": lambda kfac: kfac.factor_options.examples,
     "batchnorm": lambda kfac: "off" if kfac.batchnorm is None else kfac.batchnorm,
     "batchnorm_damping_multiplier": attrgetter("batchnorm_damping_multiplier"),
@@ -58,7 +60,7 @@ KFAC_FLAGS: tuple[str, ...] = tuple(_READERS)
 
 #: The :class:`KFACConfig` fields those flags set.
 _FLAGGED_FIELDS = frozenset(
-    {*_SAME_NAME, "factor_options", "batchnorm", "batchnorm_damping_multiplier",
+    {*_SAME_NAME, "kl_clip", "factor_options", "batchnorm", "batchnorm_damping_multiplier",
      "accumulation_steps"}
 )  # fmt: skip
 
@@ -123,7 +125,7 @@ def transformer_recipe(
 
 
 def kfac_to_flat(kfac: KFACConfig) -> dict[str, Any]:
-    """The flag-named values of ``kfac`` (``batchnorm`` "off" for None)."""
+    """The flag-named values of ``kfac`` (``batchnorm`` "off" and ``kl_clip`` 0 for None)."""
     return {name: read(kfac) for name, read in _READERS.items()}
 
 
@@ -142,6 +144,8 @@ def kfac_from_flat(values: Mapping[str, Any]) -> KFACConfig:
     if "batchnorm" in options:
         check_choice("batchnorm", options["batchnorm"], BATCHNORM_CURVATURES)
         options["batchnorm"] = None if options["batchnorm"] == "off" else options["batchnorm"]
+    if options.get("kl_clip") == 0:
+        options["kl_clip"] = None
     return KFACConfig(**options)
 
 
