@@ -46,7 +46,8 @@ class ImageStage:
     """A later tuning stage of the image workload: the choices it is centred on (learning
     rate, weight decay and K-FAC's damping within 3x of them, the schedule within two
     lengths), K-FAC's factor and inverse refresh intervals, the warm-ups, the dimensions
-    K-FAC's space adds, and the tuning trials per optimizer (None: the study's number)."""
+    K-FAC's space adds, the tuning trials per optimizer (None: the study's number) and what
+    the pilots before it tried."""
 
     centre: dict[str, dict[str, float]]
     factor_steps: Choice
@@ -54,6 +55,7 @@ class ImageStage:
     warmup: Choice
     kfac: Mapping[str, Dimension] = field(default_factory=dict)
     trials: int | None = None
+    pilots: str = ""
 
 
 #: Images, revision 4: what K-FAC's space adds (IMAGE_CHANGES_R4 says why).
@@ -88,6 +90,7 @@ IMAGE_STAGES: dict[int, ImageStage] = {
         warmup=WARMUP_R4,
         kfac=IMAGE_R4_KFAC,
         trials=8,
+        pilots=IMAGE_R4_PILOTS,
     ),
 }
 #: Revision 3's tuning targets lie this far above the test targets (the median gap below).
@@ -191,5 +194,5 @@ def fashion(smoke: bool, data: str | None, revision: int = IMAGE_REVISION) -> Wo
         changes=IMAGE_CHANGES_BY_REVISION[revision],
         tune_margin=IMAGE_TUNE_MARGIN if revision >= 3 else 0.0,
         trials=None if smoke or stage is None else stage.trials,
-        pilots=IMAGE_R4_PILOTS if revision >= 4 else "",
+        pilots="" if stage is None else stage.pilots,
     )
