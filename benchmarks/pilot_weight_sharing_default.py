@@ -34,7 +34,7 @@ STEPS, BATCH, EXAMPLES = 60, 64, 256
 DAMPINGS = (0.03, 0.1, 0.3)
 KFAC_LRS = (0.01, 0.03, 0.1)
 SGD_LRS = (0.01, 0.03, 0.1, 0.3)
-DEFAULT_DAMPING = 0.1  # KFACConfig's
+DEFAULT_DAMPING = 0.1  # KFACConfig's default
 
 
 def _model(head: str) -> nn.Module:
@@ -103,7 +103,10 @@ def main() -> None:
         for sharing in ("expand", "reduce"):
             default = best[(sharing, DEFAULT_DAMPING)]
             overall = min(v for (s, _), v in best.items() if s == sharing)
-            line.append(f"{sharing} at damping 0.1 {default:.4f} (any damping {overall:.4f})")
+            line.append(
+                f"{sharing} at damping {DEFAULT_DAMPING:g} {default:.4f} "
+                f"(any damping {overall:.4f})"
+            )
         summary.append("; ".join(line))
     print("\nBest over learning rates:")
     for case_line in summary:

@@ -44,13 +44,22 @@ _SAME_NAME = ("strategy", "inverse_method", "grafting", "comm_scheduler", "dampi
               "factor_decay", "factor_update_steps", "inv_update_steps",
               "weight_sharing")  # fmt: skip
 
+#: The flat value standing for an option's None, as its flag says it (a TOML file cannot
+#: hold None): no KL clip, no BatchNorm curvature.
+_NONE_AS: Mapping[str, Any] = MappingProxyType({"kl_clip": 0.0, "batchnorm": "off"})
+
+
+def _none_as(name: str) -> Callable[[KFACConfig], Any]:
+    """The flat value of the same-named option ``name`` of :data:`_NONE_AS`."""
+    return lambda kfac: _NONE_AS[name] if getattr(kfac, name) is None else getattr(kfac, name)
+
+
 #: Flat name -> its value in a :class:`KFACConfig`, in the flat form's order.
 _READERS: dict[str, Callable[[KFACConfig], Any]] = {
     **{name: attrgetter(name) for name in _SAME_NAME},
-    # 0: no KL clip, as the flag says it (a TOML file cannot hold None).
-    "kl_clip": lambda kfac: 0.0 if kfac.kl_clip is None else kfac.kl_clip,
+    "kl_clip": _none_as("kl_clip"),
     "factor_examples": lambda kfac: kfac.factor_options.examples,
-    "batchnorm": lambda kfac: "off" if kfac.batchnorm is None else kfac.batchnorm,
+    "batchnorm": _none_as("batchnorm"),
     "batchnorm_damping_multiplier": attrgetter("batchnorm_damping_multiplier"),
     "accumulation_steps": attrgetter("accumulation_steps"),
 }
@@ -143,9 +152,9 @@ def kfac_from_flat(values: Mapping[str, Any]) -> KFACConfig:
         options["factor_options"] = FactorOptions(examples=examples)
     if "batchnorm" in options:
         check_choice("batchnorm", options["batchnorm"], BATCHNORM_CURVATURES)
-        options["batchnorm"] = None if options["batchnorm"] == "off" else options["batchnorm"]
-    if options.get("kl_clip") == 0:
-        options["kl_clip"] = None
+    for name, stand_in in _NONE_AS.items():
+        if name in options and options[name] == stand_in:
+            options[name] = None
     return KFACConfig(**options)
 
 
