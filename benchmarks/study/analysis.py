@@ -248,6 +248,8 @@ class Row:
     final_scores: tuple[float, ...]
     #: Median over runs of each run's median step (K-FAC: a step without a refresh).
     median_step_ms: float = math.nan
+    #: Median over runs of each run's length in steps (its schedule's end).
+    run_steps: float = math.nan
 
     @property
     def median_seconds(self) -> float:
@@ -285,6 +287,7 @@ def final_rows(records: Sequence[dict[str, Any]], workload: Workload, target: fl
             ms for r in _ok(runs) if (ms := r["summary"].get("median_iteration_ms")) is not None
         ]
         finals = tuple(v for r in runs if (v := final_value(r, workload.final_metric)) is not None)
+        lengths = [r["summary"]["steps"] for r in _ok(runs) if r["summary"].get("steps")]
         rows.append(
             Row(
                 optimizer,
@@ -293,6 +296,7 @@ def final_rows(records: Sequence[dict[str, Any]], workload: Workload, target: fl
                 statistics.median(pace) if pace else math.inf,
                 finals,
                 statistics.median(typical) if typical else math.nan,
+                statistics.median(lengths) if lengths else math.nan,
             )
         )
     return rows

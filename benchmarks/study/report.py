@@ -47,11 +47,21 @@ def _range(values: Sequence[float], digits: int = 1) -> str:
 
 def ratio_lines(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
     """``ratio <workload> <label>: X`` for every target of every workload."""
-    return [line for workload in plan.workloads for line in _ratios(workload, records)]
+    return [
+        line
+        for workload in plan.workloads
+        for line in _ratios(workload, records, planned=len(plan.seeds) * len(workload.spaces))
+    ]
 
 
-def _ratios(workload: Workload, records: Sequence[dict[str, Any]], lead: str = "") -> list[str]:
+def _ratios(
+    workload: Workload, records: Sequence[dict[str, Any]], lead: str = "", planned: int = 0
+) -> list[str]:
+    """The ratio lines of one workload; ``planned``: its final runs in the plan (a line
+    says it is provisional while fewer are recorded)."""
     lines = []
+    done = sum(r["workload"] == workload.key and r["phase"] == "final" for r in records)
+    status = f" (provisional: {done} of {planned} final runs recorded)" if done < planned else ""
     targets = final_targets(records, workload)
     for index, label in enumerate(workload.labels):
         prefix = f"{lead}ratio {' '.join(filter(None, (workload.name, label)))}:"
@@ -70,7 +80,7 @@ def _ratios(workload: Workload, records: Sequence[dict[str, Any]], lead: str = "
                 "another optimizer)"
             )
         else:
-            lines.append(f"{prefix} {found[0]:.2f}")
+            lines.append(f"{prefix} {found[0]:.2f}{status}")
     return lines
 
 
@@ -288,6 +298,12 @@ def _decomposition(mine: Row, best: Row, label: str) -> str:
             f"; its steps take {mine.ms_per_step:.0f} ms on average and {mine.median_step_ms:.0f} "
             f"ms at the median: the time above the median (refresh steps) is {share:.0%} of "
             "its total"
+        )
+    if 2 * mine.reached > len(mine.outcomes) and math.isfinite(mine.run_steps):
+        line += (
+            f"; it passes the target at step {mine.median_steps:.0f} of its "
+            f"{mine.run_steps:.0f}-step schedule ({mine.median_steps / mine.run_steps:.0%} "
+            "of the way: the later, the more the annealed tail sets the time)"
         )
     return line + "."
 
