@@ -278,16 +278,13 @@ def final_rows(records: Sequence[dict[str, Any]], workload: Workload, target: fl
         if not runs:
             continue
         outcomes = tuple(outcome(r, workload, workload.final_metric, target) for r in runs)
-        pace = [
-            1e3 * r["summary"]["train_seconds"] / r["summary"]["steps"]
-            for r in _ok(runs)
-            if r["summary"].get("steps")
-        ]
+        stepped = [r["summary"] for r in _ok(runs) if r["summary"].get("steps")]
+        pace = [1e3 * summary["train_seconds"] / summary["steps"] for summary in stepped]
+        lengths = [summary["steps"] for summary in stepped]
         typical = [
             ms for r in _ok(runs) if (ms := r["summary"].get("median_iteration_ms")) is not None
         ]
         finals = tuple(v for r in runs if (v := final_value(r, workload.final_metric)) is not None)
-        lengths = [r["summary"]["steps"] for r in _ok(runs) if r["summary"].get("steps")]
         rows.append(
             Row(
                 optimizer,
