@@ -129,3 +129,56 @@ def test_the_flags_reach_the_run(tmp_path: Path) -> None:
     assert code == 0
     written = (out / "config.toml").read_text()
     assert "beta2 = 0.95" in written and "grad_clip = 1.0" in written
+
+
+def _decay_by_parameter(optimizer: torch.optim.Optimizer) -> dict[int, float]:
+    return {
+        id(parameter): float(group["weight_decay"])
+        for group in optimizer.param_groups
+        for parameter in group["params"]
+    }
+
+
+@pytest.mark.parametrize(
+    "optimizer", ["sgd", "adamw", "kfac-adamw", "muon", "kfac-muon", "kfac-eigen-adam", "soap"]
+)
+def test_decay_scope_matrices_spares_norms_biases_and_embeddings(optimizer: str) -> None:
+    if optimizer == "soap":
+        pytest.importorskip("heavyball")
+    decays = {}
+    for scope in ("all", "matrices"):
+        torch.manual_seed(0)
+        model = build_model("gpt", vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
+        config = TrainConfig(
+            model="gpt", dataset="text", optimizer=optimizer, weight_decay=0.1, decay_scope=scope
+        )
+        _, built, _ = make_optimizers(config, model, steps_per_epoch=10)
+        named = dict(model.named_parameters())  # the tied head comes once, as the embedding
+        decays[scope] = {name: _decay_by_parameter(built)[id(p)] for name, p in named.items()}
+    assert set(decays["all"].values()) == {0.1}
+    spared = {name for name, decay in decays["matrices"].items() if decay == 0.0}
+    decayed = {name for name, decay in decays["matrices"].items() if decay == 0.1}
+    assert spared == {
+        name for name, p in named.items() if p.ndim == 1 or name.endswith("emb.weight")
+    }
+    assert decayed == {
+        name for name, p in named.items() if p.ndim == 2 and not name.endswith("emb.weight")
+    }
+    assert "blocks.0.mlp.fc.weight" in decayed and "tok_emb.weight" in spared
+
+
+def test_precondition_frequency_reaches_soap_and_only_soap() -> None:
+    heavyball = pytest.importorskip("heavyball")
+    model = build_model("gpt", vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
+    for frequency, expected in ((None, 2), (10, 10)):
+        config = TrainConfig(
+            model="gpt", dataset="text", optimizer="soap", precondition_frequency=frequency
+        )
+        _, built, _ = make_optimizers(config, model, steps_per_epoch=10)
+        assert isinstance(built, heavyball.SOAP)
+        # heavyball keeps the interval as its reciprocal.
+        assert 1 / built.precond_schedule == pytest.approx(expected)
+    with pytest.raises(ValueError, match=r"precondition_frequency 10 applies to SOAP.*'muon'"):
+        TrainConfig(model="gpt", dataset="text", optimizer="muon", precondition_frequency=10)
+    with pytest.raises(ValueError, match="decay_scope"):
+        TrainConfig(decay_scope="biases")

@@ -25,7 +25,7 @@ FLAT_KEYS = {
     "gpt_dropout", "train_limit", "val_split", "epochs", "max_steps", "eval_every",
     "evals_per_epoch", "batch_size", "accumulation_steps", "optimizer", "lr", "momentum",
     "nesterov", "weight_decay", "lr_schedule", "warmup_epochs", "warmup_steps", "milestones",
-    "beta2", "grad_clip", "grafting",  # the transformers' issue (41)
+    "beta2", "grad_clip", "grafting", "decay_scope", "precondition_frequency",
     "lr_gamma", "poly_power", "poly_start_epoch", "poly_end_epoch", "lr_schedule_steps",
     "strategy", "inverse_method", "comm_scheduler", "damping", "damping_initial",
     "damping_warmup_steps", "kl_clip", "factor_decay", "factor_update_steps",

@@ -14,6 +14,7 @@ from spdkfac.strategies import STRATEGY_NAMES
 from spdkfac.training.config import (
     BATCHNORM_CURVATURES,
     DATASETS,
+    DECAY_SCOPES,
     LR_SCHEDULES,
     OPTIMIZERS,
     WEIGHT_SHARINGS,
@@ -77,6 +78,11 @@ _HELP: dict[str, str] = {
     "default betas)",
     "nesterov": "Nesterov momentum (SGD)",
     "weight_decay": "L2 weight decay after preconditioning (AdamW: decoupled weight decay)",
+    "decay_scope": "which parameters weight decay reaches, for every optimizer: all, or "
+    "matrices (the weights of linear and convolution layers; norms, biases and embeddings, "
+    "a tied output head included, are not decayed)",
+    "precondition_frequency": "SOAP's eigenbasis refresh interval in steps (heavyball's "
+    "precondition_frequency; default: heavyball's, 2)",
     "beta2": "AdamW's second-moment decay beta2, in [0, 1), for every AdamW part (adamw, "
     "kfac-adamw, muon's AdamW part; beta1 stays 0.9)",
     "grad_clip": "clip the averaged gradients to this global L2 norm before K-FAC and the "
@@ -170,6 +176,7 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     "dataset": {"type": str, "choices": DATASETS},
     "optimizer": {"type": str, "choices": tuple(OPTIMIZERS)},
     "lr_schedule": {"type": str, "choices": LR_SCHEDULES},
+    "decay_scope": {"type": str, "choices": DECAY_SCOPES},
     "strategy": {"type": str, "choices": STRATEGY_NAMES},
     "inverse_method": {"type": str, "choices": FORM_METHODS},
     "grafting": {"type": str, "choices": GRAFTINGS},
@@ -181,7 +188,7 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     **{name: {"type": int} for name in ("max_steps", "threads", "stale_switch_step",
                                          "train_limit", "eval_every", "evals_per_epoch",
                                          "lr_schedule_steps", "warmup_steps", "hsdp_replicas",
-                                         "factor_examples")},
+                                         "factor_examples", "precondition_frequency")},
     **{name: {"type": float} for name in ("damping_initial", "poly_end_epoch", "kl_clip")},
 }  # fmt: skip
 

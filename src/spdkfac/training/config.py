@@ -39,6 +39,7 @@ __all__ = [
     "BATCHNORM_CURVATURES",
     "DATASETS",
     "DATASET_KINDS",
+    "DECAY_SCOPES",
     "KFAC_OPTIMIZERS",
     "LR_SCHEDULES",
     "OPTIMIZERS",
@@ -66,6 +67,9 @@ OPTIMIZERS: dict[str, str] = {
 #: The ``--optimizer`` values whose base optimizer K-FAC preconditions.
 KFAC_OPTIMIZERS: frozenset[str] = frozenset({"kfac", "kfac-adamw", "kfac-muon", "kfac-eigen-adam"})
 LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
+#: ``--decay-scope``: which parameters weight decay reaches (see
+#: :func:`spdkfac.training.optimizers.decay_groups`).
+DECAY_SCOPES: tuple[str, ...] = ("all", "matrices")
 #: ``--weight-sharing`` values (``KFACPreconditioner``'s ``weight_sharing``).
 WEIGHT_SHARINGS: tuple[str, ...] = get_args(WeightSharing)
 #: Fields a resumed run may change; any other difference refuses the checkpoint.
@@ -125,8 +129,10 @@ class TrainConfig:
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 5e-4
+    decay_scope: str = "all"
     beta2: float = DEFAULT_BETA2
     grad_clip: float = 0.0
+    precondition_frequency: int | None = None
     lr_schedule: str = "cosine"
     warmup_epochs: float = 0.0
     warmup_steps: int | None = None
@@ -163,6 +169,7 @@ class TrainConfig:
         check_choice("dataset", self.dataset, DATASETS)
         check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
         check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_choice("decay_scope", self.decay_scope, DECAY_SCOPES)
         check_train_kfac(self.kfac)
         if not isinstance(self.kfac_schedules, KFACSchedules):
             raise ValueError(f"kfac_schedules must be a KFACSchedules, got {self.kfac_schedules!r}")
@@ -172,7 +179,7 @@ class TrainConfig:
         for name in ("checkpoint_every", "seed"):
             check_int(name, getattr(self, name), low=0)
         for name in ("max_steps", "threads", "train_limit", "eval_every", "evals_per_epoch",
-                     "lr_schedule_steps"):  # fmt: skip
+                     "lr_schedule_steps", "precondition_frequency"):  # fmt: skip
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1)
         if self.warmup_steps is not None:

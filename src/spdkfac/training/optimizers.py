@@ -26,6 +26,7 @@ __all__ = [
     "CombinedOptimizer",
     "OptimizerBuilder",
     "build_base_optimizer",
+    "decay_groups",
     "hidden_layers",
     "muon_parameters",
     "require_base",
@@ -128,9 +129,38 @@ def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Param
     return _split(model, {id(layer.weight) for layer in hidden_layers(model).values()})
 
 
+def _decayed_matrices(model: nn.Module) -> set[int]:
+    """The ids of the weights of linear and convolution layers that no ``nn.Embedding``
+    owns (a tied output head is the embedding's)."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {
+        id(module.weight)
+        for module in model.modules()
+        if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd))
+        and module.weight.ndim >= 2
+        and id(module.weight) not in embedded
+    }
+
+
+def decay_groups(
+    parameters: list[nn.Parameter], model: nn.Module, config: TrainConfig
+) -> list[dict[str, Any]]:
+    """``parameters`` as an optimizer's param groups under ``config.decay_scope``: one group
+    for ``"all"``; for ``"matrices"``, the weights of linear and convolution layers, then
+    the rest (norms, biases, embeddings, a tied head) with weight decay 0 — the usual
+    language-model recipe (empty groups left out)."""
+    if config.decay_scope == "all":
+        return [{"params": parameters}]
+    matrices = _decayed_matrices(model)
+    decayed = [p for p in parameters if id(p) in matrices]
+    kept = [p for p in parameters if id(p) not in matrices]
+    groups: list[dict[str, Any]] = [{"params": decayed}] if decayed else []
+    return groups + ([{"params": kept, "weight_decay": 0.0}] if kept else [])
+
+
 def _sgd(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(
-        model.parameters(),
+        decay_groups(list(model.parameters()), model, config),
         lr=lr,
         momentum=config.momentum,
         nesterov=config.nesterov,
@@ -140,7 +170,10 @@ def _sgd(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimi
 
 def _adamw(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
-        model.parameters(), lr=lr, weight_decay=config.weight_decay, betas=_betas(config)
+        decay_groups(list(model.parameters()), model, config),
+        lr=lr,
+        weight_decay=config.weight_decay,
+        betas=_betas(config),
     )
 
 
@@ -152,13 +185,17 @@ def _betas(config: TrainConfig) -> tuple[float, float]:
 def _with_adamw(
     parts: dict[str, torch.optim.Optimizer],
     others: list[nn.Parameter],
+    model: nn.Module,
     config: TrainConfig,
     lr: float,
 ) -> CombinedOptimizer:
     """``parts`` and AdamW over ``others`` (when there are any), as one optimizer."""
     if others:
         parts["adamw"] = torch.optim.AdamW(
-            others, lr=lr, weight_decay=config.weight_decay, betas=_betas(config)
+            decay_groups(others, model, config),
+            lr=lr,
+            weight_decay=config.weight_decay,
+            betas=_betas(config),
         )
     return CombinedOptimizer(parts)
 
@@ -178,7 +215,7 @@ def _muon(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optim
             nesterov=True,
             adjust_lr_fn="match_rms_adamw",
         )
-    return _with_adamw(parts, others, config, lr)
+    return _with_adamw(parts, others, model, config, lr)
 
 
 def _eigen_adam(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -190,8 +227,10 @@ def _eigen_adam(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim
     direct, others = _split(model, taken)
     parts: dict[str, torch.optim.Optimizer] = {}
     if direct:
-        parts["eigen-adam"] = torch.optim.SGD(direct, lr=lr, weight_decay=config.weight_decay)
-    return _with_adamw(parts, others, config, lr)
+        parts["eigen-adam"] = torch.optim.SGD(
+            decay_groups(direct, model, config), lr=lr, weight_decay=config.weight_decay
+        )
+    return _with_adamw(parts, others, model, config, lr)
 
 
 def _soap(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -201,8 +240,17 @@ def _soap(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optim
         # heavyball compiles its kernels by default: the first step took 388 s on this
         # project's 2-core CPU, longer than a whole run; eager it is a fraction of a second.
         heavyball.utils.compile_mode = None
+    frequency = (
+        {}
+        if config.precondition_frequency is None
+        else {"precondition_frequency": config.precondition_frequency}
+    )
     optimizer = heavyball.SOAP(
-        parameters, lr=lr, weight_decay=config.weight_decay, compile_step=False
+        decay_groups(parameters, model, config),
+        lr=lr,
+        weight_decay=config.weight_decay,
+        compile_step=False,
+        **frequency,
     )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"heavyball.SOAP is not a torch.optim.Optimizer: {type(optimizer)}")

@@ -1,5 +1,5 @@
-"""The checks of the baselines' usual recipe in ``spdkfac train``: AdamW's ``beta2`` and
-gradient clipping by global norm (``grad_clip``)."""
+"""The checks of the baselines' usual recipe in ``spdkfac train``: AdamW's ``beta2``, SOAP's
+``precondition_frequency`` and gradient clipping by global norm (``grad_clip``)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ DEFAULT_BETA2 = 0.999
 
 
 def check_recipe(config: TrainConfig) -> None:
-    """``beta2`` needs an AdamW part; ``grad_clip`` needs every rank to hold the whole
-    averaged gradient before K-FAC (not an owner strategy's, not FSDP's shards).
+    """``beta2`` needs an AdamW part, ``precondition_frequency`` SOAP; ``grad_clip`` needs
+    every rank to hold the whole averaged gradient before K-FAC (not an owner strategy's,
+    not FSDP's shards).
 
     Raises:
         ValueError: Naming the option, its value and why.
@@ -27,6 +28,11 @@ def check_recipe(config: TrainConfig) -> None:
         raise ValueError(
             f"beta2 {config.beta2} applies to AdamW (optimizers adamw, kfac-adamw and "
             f"muon's AdamW part); optimizer {config.optimizer!r} has none"
+        )
+    if config.precondition_frequency is not None and config.base_optimizer != "soap":
+        raise ValueError(
+            f"precondition_frequency {config.precondition_frequency} applies to SOAP "
+            f"(optimizer soap); optimizer {config.optimizer!r} has none"
         )
     if not config.grad_clip:
         return
