@@ -1,18 +1,20 @@
-"""Time to result, fairly tuned (issue 20): K-FAC against tuned SGD, AdamW, Muon and SOAP.
+"""Time to result, fairly tuned: K-FAC against tuned SGD, AdamW, Muon and SOAP.
 
 AlgoPerf-style: fixed workloads and targets, the same number of tuning trials for every
 optimizer from a declared search space, chosen on a validation split carved from the
-training data, then (text: AlgoPerf's target-setting runs, each baseline's chosen
-configuration over the whole budget, 3 seeds; the best baseline's median final score is
-the target) 3 seeds of each chosen configuration timed to the targets (wall time of
-training, evaluation excluded). Every trial is one ``spdkfac train`` run under
-``torchrun`` recorded in ``OUT/trials.jsonl``; run the same command again to continue a
-study that stopped (finished trials are skipped, an unfinished one starts over; stop it
-with Ctrl-C or SIGTERM, which also end the running trial's processes).
-``OUT/report.md`` gives the protocol, the ratio lines, the final tables, plots and every
-trial.
+training data. The image workload: 3 seeds of each chosen configuration timed to fixed
+targets (wall time of training, evaluation excluded), under ``torchrun``. The text workload
+(revision 4, :mod:`study.steps`): scored in steps to a target its baselines set (AlgoPerf's
+rule), in phases target-tune, target-seeds, pilot and score, one process per run and
+``--parallel`` runs side by side. Every trial is one ``spdkfac train`` run recorded in
+``OUT/trials.jsonl``; run the same command again to continue a study that stopped
+(finished trials are skipped, an unfinished one starts over; stop it with Ctrl-C or
+SIGTERM, which also end the running trials' processes). ``OUT/report.md`` gives the
+protocol, the ratio lines, the results of every phase, plots and every trial.
 
     python benchmarks/study_time_to_accuracy.py --out benchmarks/reports/study_time_to_accuracy
+    python benchmarks/study_time_to_accuracy.py --workloads text --parallel 2 \
+        --out benchmarks/reports/study_time_to_accuracy     # text revision 4
     python benchmarks/study_time_to_accuracy.py --smoke --out /tmp/study-smoke   # a pilot
 """
 
@@ -24,8 +26,8 @@ import signal
 import sys
 from pathlib import Path
 
-from study.driver import PHASES, run_study
-from study.runner import ProcessLauncher
+from study.driver import ALL_PHASES, run_study
+from study.runner import ProcessLauncher, kill_running
 from study.store import ProtocolMismatchError
 from study.workloads import build_plan
 
@@ -77,10 +79,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--phase",
-        choices=(*PHASES, "all", "report"),
+        choices=(*ALL_PHASES, "all", "report"),
         default="all",
         help="tune only, target-setting runs only (workloads whose baselines set the "
-        "target), final runs only, all in order, or only rewrite the report",
+        "target), final runs only, a phase of the steps-scored workloads (target-tune, "
+        "target-seeds, pilot, score: text revision 4), all in order, or only rewrite the report",
+    )
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="steps-scored workloads: trials run side by side, one process and one thread "
+        "each (their scores are steps, which the machine's load does not change)",
     )
     parser.add_argument("--fashion-data", help="Fashion-MNIST directory (default: Debian's)")
     parser.add_argument(
@@ -92,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _exit_on_signal(number: int, frame: object) -> None:
+    kill_running()  # trials running side by side, in threads this signal does not reach
     sys.exit(128 + number)
 
 
@@ -111,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as error:
         parser.error(str(error))
-    phases = {"all": PHASES, "report": ()}.get(args.phase, (args.phase,))
+    if args.parallel < 1:
+        parser.error(f"--parallel must be >= 1, got {args.parallel}")
+    phases = {"all": ALL_PHASES, "report": ()}.get(args.phase, (args.phase,))
     command = shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     try:
         run_study(
@@ -121,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             timeout=args.timeout,
             phases=phases,
             command=command,
+            single=ProcessLauncher(1),
+            parallel=args.parallel,
         )
     except ProtocolMismatchError as error:
         print(f"study: error: {error}", file=sys.stderr)

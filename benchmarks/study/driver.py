@@ -1,5 +1,7 @@
 """The order of a study: tune every workload's optimizers, then the target-setting runs
-(workloads whose baselines set the target), then the final runs, then report.
+(workloads whose baselines set the target), then the final runs, then the phases of the
+workloads scored in steps (:mod:`study.steps`, their trials ``parallel`` at a time, one
+process each), then report.
 
 Each step skips the trials already in the record, so running the same command again
 continues a study where it stopped (see :mod:`study.store`). Target-setting and final
@@ -10,21 +12,26 @@ those recorded (the protocol's order: the target is set before any final run).
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from study.analysis import select
 from study.protocol import StudyPlan, Trial, Workload, final_trial, target_trial, tuning_trials
 from study.report import write_report
-from study.runner import Launcher, run_trial
+from study.runner import Launcher, kill_running, run_trial
+from study.steps import STEPS_PHASES, planned_steps_trials
 from study.store import TrialStore, check_protocol
 
-__all__ = ["PHASES", "planned_trials", "run_study"]
+__all__ = ["ALL_PHASES", "PHASES", "planned_trials", "run_study"]
 
-#: What a study may be asked to do, in order.
+#: What a study may be asked to do for the workloads timed to their targets, in order.
 PHASES = ("tune", "target", "final")
+#: Every phase, in order: those, then the steps-scored workloads'.
+ALL_PHASES = (*PHASES, *STEPS_PHASES)
 
 
 def _tuned(plan: StudyPlan, store: TrialStore, workload: Workload) -> bool:
@@ -64,7 +71,10 @@ def _final_trials(plan: StudyPlan, store: TrialStore) -> list[Trial]:
 
 def planned_trials(plan: StudyPlan, store: TrialStore, phase: str) -> list[Trial]:
     """The trials of ``phase`` as far as they are known (target-setting runs: once their
-    workload's tuning is complete; final runs: once its target-setting runs are too)."""
+    workload's tuning is complete; final runs: once its target-setting runs are too; the
+    steps-scored workloads' phases: :func:`study.steps.planned_steps_trials`)."""
+    if phase in STEPS_PHASES:
+        return [t for w in plan.steps for t in planned_steps_trials(w, store.records, phase)]
     if phase == "tune":
         return [t for w in plan.workloads for t in tuning_trials(plan, w)]
     if phase == "target":
@@ -78,19 +88,22 @@ def run_study(
     launcher: Launcher,
     *,
     timeout: float,
-    phases: tuple[str, ...] = PHASES,
+    phases: tuple[str, ...] = ALL_PHASES,
     command: str = "",
     log: Callable[[str], None] = print,
+    single: Launcher | None = None,
+    parallel: int = 1,
 ) -> TrialStore:
     """Run what is missing of ``phases`` (none: only rewrite the report), then write
-    ``out/report.md``; the record.
+    ``out/report.md``; the record. ``single`` launches the one-process runs of the
+    steps-scored workloads (default: ``launcher``), ``parallel`` of them at a time.
 
     Raises:
         study.store.ProtocolMismatchError: ``out`` holds a study under another protocol.
     """
     check_protocol(out, plan.protocol())
     store = TrialStore(out / "trials.jsonl")
-    for phase in PHASES:
+    for phase in ALL_PHASES:
         if phase not in phases:
             continue
         trials = planned_trials(plan, store, phase)
@@ -99,18 +112,54 @@ def run_study(
             f"{phase}: {len(trials) - len(missing)} of {len(trials)} trials recorded, "
             f"{len(missing)} to run"
         )
-        started = time.perf_counter()
-        for number, trial in enumerate(missing, 1):
-            record = run_trial(trial, out, launcher, store, timeout=timeout, workers=plan.workers)
-            elapsed = time.perf_counter() - started
-            log(
-                f"[{phase} {number}/{len(missing)}] {trial.id}: {_brief(record)} "
-                f"({elapsed / number * (len(missing) - number) / 60:.0f} min left at this "
-                "pace)"
-            )
+        steps = phase in STEPS_PHASES
+        chosen, workers = (single or launcher, 1) if steps else (launcher, plan.workers)
+
+        def run(trial: Trial, chosen: Launcher = chosen, workers: int = workers) -> dict[str, Any]:
+            return run_trial(trial, out, chosen, store, timeout=timeout, workers=workers)
+
+        _run_all(missing, run, phase, log, parallel if steps else 1)
     path = write_report(plan, store.records, out, command)
     log(f"report: {path}")
     return store
+
+
+def _run_all(
+    trials: Sequence[Trial],
+    run: Callable[[Trial], dict[str, Any]],
+    phase: str,
+    log: Callable[[str], None],
+    parallel: int,
+) -> None:
+    """Run ``trials``, ``parallel`` at a time, logging each as it ends."""
+    started, finished = time.perf_counter(), [0]
+    lock = threading.Lock()
+
+    def one(trial: Trial) -> None:
+        record = run(trial)
+        with lock:
+            finished[0] += 1
+            number = finished[0]
+            left = (time.perf_counter() - started) / number * (len(trials) - number) / 60
+            log(
+                f"[{phase} {number}/{len(trials)}] {trial.id}: {_brief(record)} "
+                f"({left:.0f} min left at this pace)"
+            )
+
+    if parallel <= 1:
+        for trial in trials:
+            one(trial)
+        return
+    pool = ThreadPoolExecutor(max_workers=parallel)
+    try:
+        for future in [pool.submit(one, trial) for trial in trials]:
+            future.result()
+    except BaseException:
+        # Ctrl-C or SIGTERM reach this thread only: end the runs the others wait for.
+        pool.shutdown(wait=False, cancel_futures=True)
+        kill_running()
+        raise
+    pool.shutdown()
 
 
 def _brief(record: dict[str, Any]) -> str:

@@ -247,8 +247,9 @@ class Trial:
 
 @dataclass(frozen=True)
 class StudyPlan:
-    """The whole study: workloads, trials per optimizer, seeds, world size, and the
-    retired revisions of workloads (their trials stay in the report; none runs again)."""
+    """The whole study: workloads, trials per optimizer, seeds, world size, the retired
+    revisions of workloads (their trials stay in the report; none runs again) and the
+    workloads scored in steps (:mod:`study.steps`, their own phases and trial counts)."""
 
     workloads: tuple[Workload, ...]
     trials: int
@@ -258,6 +259,8 @@ class StudyPlan:
     smoke: bool = False
     notes: tuple[str, ...] = ()
     retired: tuple[Workload, ...] = ()
+    #: Workloads scored in steps to a target (``study.steps.StepsWorkload``).
+    steps: tuple[Any, ...] = ()
 
     def workload(self, name: str) -> Workload:
         return next(w for w in self.workloads if w.name == name)
@@ -282,7 +285,7 @@ class StudyPlan:
                 "workers": self.workers,
                 "smoke": self.smoke,
             },
-            "workloads": {w.key: w.protocol() for w in self.workloads},
+            "workloads": {w.key: w.protocol() for w in (*self.workloads, *self.steps)},
         }
 
 

@@ -31,6 +31,7 @@ from study.analysis import (
 )
 from study.plots import plot_final_runs
 from study.protocol import TARGET_SEED_OFFSET, StudyPlan, Workload, show
+from study.steps_report import steps_protocol, steps_ratio_lines, steps_results, steps_trials
 
 __all__ = ["ratio_lines", "write_report"]
 
@@ -89,7 +90,8 @@ def _protocol(plan: StudyPlan) -> list[str]:
         "## Protocol (declared before any run)",
         "",
         f"- Every run is one `spdkfac train` under `torchrun --standalone --nproc-per-node "
-        f"{plan.workers}` (one thread per worker, `OMP_NUM_THREADS=1`), one run at a time.",
+        f"{plan.workers}` (one thread per worker, `OMP_NUM_THREADS=1`), one run at a time "
+        "(the workloads scored in steps: as their own protocol says).",
         f"- Tuning: {plan.trials} trials per optimizer (a workload may declare its own "
         "number), drawn at random (seeded) from its "
         "search space below, every optimizer the same number; trial i of each optimizer "
@@ -123,6 +125,8 @@ def _protocol(plan: StudyPlan) -> list[str]:
         if workload.changes:
             lines += [f"Changed from revision {workload.revision - 1}: {workload.changes}", ""]
         lines += _workload_protocol(workload)
+    for steps in plan.steps:
+        lines += steps_protocol(steps)
     for workload in plan.retired:
         lines += [
             "",
@@ -371,6 +375,8 @@ def _trials(plan: StudyPlan, records: Sequence[dict[str, Any]]) -> list[str]:
                 f"{_number(float(summary.get('train_seconds', math.inf)))} | {_number(pace)} | "
                 f"{'yes' if id(record) in chosen else ''} |"
             )
+    for steps in plan.steps:
+        lines += steps_trials(steps, records, lambda r: letter[machine_of(r)])
     failures = [r for r in records if r.get("status") != "ok"]
     if failures:
         lines += ["", "Failed runs (last lines of their output):", ""]
@@ -398,8 +404,12 @@ def write_report(
     ]
     for line in ratio_lines(plan, records):
         lines += ["", line]
+    for steps in plan.steps:
+        lines += [line for text in steps_ratio_lines(steps, records) for line in ("", text)]
     for workload in plan.workloads:
         lines += _final_section(workload, records, out, setting_runs=len(plan.target_seeds))
+    for steps in plan.steps:
+        lines += steps_results(steps, records)
     finished = {r["workload"] for r in records if r["phase"] == "final"}
     for workload in (w for w in plan.retired if w.key in finished):
         lines += [

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,14 @@ from spdkfac.calibrate import describe_device
 from study.protocol import Trial
 from study.store import TrialStore
 
-__all__ = ["LaunchResult", "Launcher", "ProcessLauncher", "run_trial", "train_command"]
+__all__ = [
+    "LaunchResult",
+    "Launcher",
+    "ProcessLauncher",
+    "kill_running",
+    "run_trial",
+    "train_command",
+]
 
 #: summary.json keys a record keeps (the metrics rows hold the whole curve).
 SUMMARY_KEYS = (
@@ -68,6 +76,19 @@ def train_command(flags: list[str], out_dir: Path, workers: int) -> list[str]:
     return [torchrun, "--standalone", "--nproc-per-node", str(workers), *train]
 
 
+#: The runs under way (trials may run side by side), for :func:`kill_running`.
+_RUNNING: set[subprocess.Popen[str]] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+def kill_running() -> None:
+    """End every run under way (the study was interrupted while trials ran side by side)."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for process in running:
+        _kill_session(process)
+
+
 class ProcessLauncher:
     """Runs ``spdkfac train`` in a session of its own, one thread per worker.
 
@@ -90,6 +111,8 @@ class ProcessLauncher:
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         timed_out = False
+        with _RUNNING_LOCK:
+            _RUNNING.add(process)
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -100,6 +123,9 @@ class ProcessLauncher:
             _kill_session(process)
             process.wait()
             raise
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(process)
         return LaunchResult(
             process.returncode,
             time.perf_counter() - started,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ class TrialStore:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._lock = threading.Lock()  # trials may finish side by side (study.driver)
         self.records: list[dict[str, Any]] = self._load()
 
     def _load(self) -> list[dict[str, Any]]:
@@ -50,6 +52,11 @@ class TrialStore:
     def append(self, record: dict[str, Any]) -> None:
         """Add one finished trial: a single write of one line, flushed to disk."""
         line = (json.dumps(record, allow_nan=True) + "\n").encode()
+        with self._lock:
+            self._write(line)
+            self.records.append(record)
+
+    def _write(self, line: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -57,7 +64,6 @@ class TrialStore:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
-        self.records.append(record)
 
     def select(self, **fields: Any) -> list[dict[str, Any]]:
         """The records whose fields equal ``fields``, in order."""

@@ -26,6 +26,7 @@ from study.dimensions import (
 from study.images import IMAGE_REVISION, fashion
 from study.protocol import Choice, Dimension, LogUniform, SearchSpace, StudyPlan, Workload
 from study.text_r3 import text_r3
+from study.text_r4 import text_r4
 
 __all__ = ["build_plan"]
 
@@ -128,8 +129,11 @@ def build_plan(
     workers: int = 2,
     fashion_data: str | None = None,
     text_data: str | None = None,
+    text_revision: int = 4,
 ) -> StudyPlan:
-    """The study's plan; ``optimizers`` (None: all) restricts every workload's set.
+    """The study's plan; ``optimizers`` (None: all) restricts every workload's set but
+    the steps-scored ones (text revision 4: its phases need every row). ``text_revision``
+    3 plans the retired revision 3 as current (the tests of its protocol).
 
     Raises:
         ValueError: An unknown workload or optimizer, or a restriction that drops the
@@ -140,6 +144,10 @@ def build_plan(
     soap = importlib.util.find_spec("heavyball") is not None
     notes = (MACHINE_NOTE,) + (() if soap else (NO_SOAP,))
     known = {"fashion-mnist": fashion(smoke, fashion_data), "text": _text(smoke, text_data, soap)}
+    steps = ()
+    if text_revision >= 4 and "text" in workloads:
+        steps = (text_r4(smoke, text_data),)
+        workloads = tuple(name for name in workloads if name != "text")
     unknown = sorted(set(workloads) - set(known))
     if unknown:
         raise ValueError(
@@ -155,6 +163,7 @@ def build_plan(
         known[name] if optimizers is None else _restrict(known[name], optimizers)
         for name in workloads
     ]
+    steps_retired = [_text(smoke, text_data, soap)] if steps else []
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     # Earlier revisions stay in the report: their trials ran before the workload was
@@ -166,9 +175,9 @@ def build_plan(
     }
     retired = tuple(
         workload if optimizers is None else _restrict(workload, optimizers)
-        for name in workloads
+        for name in (*workloads, *(["text"] if steps else []))
         for workload in earlier[name]
-    )
+    ) + tuple(steps_retired)
     return StudyPlan(
         tuple(chosen),
         trials,
@@ -177,6 +186,7 @@ def build_plan(
         smoke=smoke,
         notes=notes,
         retired=retired,
+        steps=steps,
     )
 
 

@@ -1,7 +1,7 @@
 """The time-to-result study driver (benchmarks/study_time_to_accuracy.py): trials drawn
 reproducibly, a killed study continuing where it stopped, time to target with never =
 full budget, the ratio lines, selection, target-setting runs (text revision 3), the
-report, and one real smoke study (``spdkfac train`` through every phase).
+report (the real smoke study of revision 4: test_study_steps.py).
 
 All but the last test stand a fake launcher in for ``torchrun``: it writes the
 ``summary.json`` a run would, from a made-up but deterministic curve.
@@ -9,7 +9,6 @@ All but the last test stand a fake launcher in for ``torchrun``: it writes the
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import re
@@ -49,9 +48,16 @@ from study.protocol import (  # noqa: E402
 from study.report import _where_time_goes, ratio_lines, write_report  # noqa: E402
 from study.runner import LaunchResult  # noqa: E402
 from study.store import ProtocolMismatchError, TrialStore  # noqa: E402
-from study.workloads import build_plan  # noqa: E402
+from study.workloads import build_plan as build_any_plan  # noqa: E402
 
 __all__: list[str] = []
+
+
+def build_plan(**options: Any) -> StudyPlan:
+    """The plan with text revision 3 current: these tests check the protocol it and the
+    image workload share (revision 4, scored in steps: test_study_steps.py)."""
+    return build_any_plan(text_revision=3, **options)
+
 
 #: What the workloads' records are known by (their current revisions' keys).
 IMAGES = build_plan().workload("fashion-mnist").key
@@ -339,12 +345,13 @@ def test_the_committed_study_still_matches_the_plan() -> None:
     protocol it ran under, and every tuning trial it recorded is one the plan draws."""
     directory = ROOT / "benchmarks" / "reports" / "study_time_to_accuracy"
     saved = json.loads((directory / "protocol.json").read_text())
-    plan = build_plan()
+    plan = build_any_plan()  # text revision 4 current, revision 3 retired
     assert saved["study"] == json.loads(json.dumps(plan.protocol()["study"]))
     known = {w.key: w for w in (*plan.workloads, *plan.retired)}
-    assert set(saved["workloads"]) <= set(known)
+    declared = {**known, **{w.key: w for w in plan.steps}}
+    assert set(saved["workloads"]) <= set(declared)
     for key, protocol in saved["workloads"].items():
-        assert json.loads(json.dumps(known[key].protocol())) == protocol, key
+        assert json.loads(json.dumps(declared[key].protocol())) == protocol, key
     recorded = TrialStore(directory / "trials.jsonl").records
     assert recorded  # the committed study
     for key, workload in known.items():
@@ -546,34 +553,6 @@ def test_the_report_puts_the_protocol_first_and_every_trial_in(tmp_path: Path) -
     rows = final_rows(records, plan.workload("fashion-mnist"), 0.92)
     value = ratio(rows, "kfac")[0]  # type: ignore[index]
     assert f"ratio fashion-mnist 92%: {value:.2f}" in lines and value < 1
-
-
-def test_a_smoke_study_runs_spdkfac_train_through_every_phase(tmp_path: Path) -> None:
-    entry = (b"Abuse \\A*buse\"\\, v. t. [F. abuser.]\n   To put to a wrong use; to misapply;"
-             b" to misuse.\n   [1913 Webster]\n\n")  # fmt: skip
-    dictionary = tmp_path / "tiny.dict.dz"
-    dictionary.write_bytes(gzip.compress(b"00-database-url\n   nowhere\n\n" + entry * 200))
-    out = tmp_path / "study"
-    code = study_time_to_accuracy.main([
-        "--smoke", "--workers", "1", "--workloads", "text", "--optimizers", "adamw",
-        "--trials", "1", "--seeds", "1", "--text-data", str(dictionary),
-        "--out", str(out), "--timeout", "120",
-    ])  # fmt: skip
-    assert code == 0
-    records = _records(out)
-    assert [r["phase"] for r in records] == ["tune", "target", "final"]
-    assert all(r["status"] == "ok" for r in records), [r.get("error") for r in records]
-    for record in records:
-        rows = record["summary"]["metrics"]
-        assert [row["step"] for row in rows][-1] == record["summary"]["steps"] > 0
-        assert all(0 < row["val_bits_per_byte"] < 9 for row in rows)
-        assert not (out / "runs" / record["id"] / "checkpoints").exists()
-        assert "--dataset" in record["flags"] and "gcide" in record["flags"]
-    assert "--val-split" in records[0]["flags"] and "--val-split" not in records[1]["flags"]
-    target = records[1]["summary"]["metrics"][-1]["val_bits_per_byte"]
-    report = (out / "report.md").read_text()
-    assert f"Target: {target:.4f} val_bits_per_byte, set by adamw's target-setting runs" in report
-    assert "ratio text: n/a (needs final runs of kfac-muon or kfac-eigen-adam" in report
 
 
 @pytest.mark.usefixtures("kfac_rows")

@@ -1,0 +1,139 @@
+"""The report's parts for a workload scored in steps (:mod:`study.steps`): its protocol,
+its ratio lines, its phases' results and every one of its trials."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from study.protocol import show
+from study.steps import (
+    STEPS_PHASES,
+    StepsWorkload,
+    best_score,
+    kfac_rows,
+    planned_steps_trials,
+    row_scores,
+    setting_choice,
+    steps_ratio,
+    steps_to,
+    target_of,
+)
+
+__all__ = ["steps_protocol", "steps_ratio_lines", "steps_results", "steps_trials"]
+
+
+def _steps(value: float) -> str:
+    return f"{value:.0f}" if math.isfinite(value) else "never"
+
+
+def steps_protocol(workload: StepsWorkload) -> list[str]:
+    """The workload's declared protocol: what changed, the workload, every row's space."""
+    lines = [
+        "",
+        f"### Workload {workload.title}",
+        "",
+        f"Changed from revision {workload.revision - 1}: {workload.changes}",
+        "",
+        f"- Task: {workload.description}; scored on `{workload.metric}` (lower is better).",
+        f"- Flags of every run: `{' '.join(workload.flags)}` (one process, "
+        "`OMP_NUM_THREADS=1`, trials two at a time).",
+        f"- Target setting: {', '.join(workload.setters)}, {workload.setter_trials} trials "
+        f"each over {workload.budget} steps; the best rerun with seeds "
+        f"{', '.join(map(str, workload.setting_seeds))}; scored budget "
+        f"{workload.budget_factor} x their median steps to the target.",
+        f"- Pilots: {workload.pilot_trials} per K-FAC candidate; {workload.kfac_rows} rows "
+        f"chosen. Scored: {workload.studies} studies x {workload.trials} trials per row.",
+        "",
+        "| row | fixed flags | searched |",
+        "|---|---|---|",
+    ]
+    for name, space in {**workload.baselines, **workload.candidates}.items():
+        kind = " (K-FAC candidate)" if name in workload.candidates else ""
+        searched = "; ".join(f"{k}: {d.describe()}" for k, d in space.dimensions.items())
+        lines.append(f"| {name}{kind} | `{' '.join(space.fixed)}` | {searched} |")
+    return lines
+
+
+def steps_ratio_lines(workload: StepsWorkload, records: Sequence[dict[str, Any]]) -> list[str]:
+    """``ratio NAME steps: X`` and ``ratio NAME: Y``, or ``n/a`` and why."""
+    found = steps_ratio(workload, records)
+    if found is None:
+        why = (
+            "not every scored study is recorded, or a median never reaches the target"
+            if target_of(workload, records)
+            else "the target is not set yet"
+        )
+        return [
+            f"ratio {workload.name} steps: n/a ({why})",
+            f"ratio {workload.name}: n/a ({why})",
+        ]
+    value, best = found
+    primary = kfac_rows(workload, records)[0]
+    return [
+        f"ratio {workload.name} steps: {value:.2f} ({primary}'s median steps to the target "
+        f"over {best}'s)",
+        f"ratio {workload.name}: n/a (the step-cost benchmark has not run yet)",
+    ]
+
+
+def steps_results(workload: StepsWorkload, records: Sequence[dict[str, Any]]) -> list[str]:
+    """Where each phase stands: the target and budget, the pilots' choice, study scores."""
+    lines = ["", f"### {workload.title}: steps to the target", ""]
+    for phase in STEPS_PHASES:
+        planned = planned_steps_trials(workload, records, phase)
+        done = sum(1 for r in records if r["id"] in {t.id for t in planned})
+        lines.append(f"- {phase}: {done} of {len(planned)} planned trials recorded.")
+    chosen = setting_choice(workload, records)
+    if chosen is not None:
+        hparams = ", ".join(f"{k}={show(v)}" for k, v in chosen["hparams"].items())
+        lines.append(
+            f"- Target-setting configuration: {chosen['optimizer']} trial {chosen['index']} "
+            f"({hparams}; best {workload.metric} {best_score(chosen, workload.metric):.4f})."
+        )
+    target = target_of(workload, records)
+    if target is None:
+        return lines
+    lines.append(
+        f"- Target: {target.value:.4f} {workload.metric} (median of the setting runs' best); "
+        f"their median steps to it {_steps(target.setter_steps)}; scored budget "
+        f"{target.budget} steps."
+    )
+    rows = kfac_rows(workload, records)
+    if rows:
+        lines.append(f"- K-FAC rows chosen by the pilots: {', '.join(rows)} (primary: {rows[0]}).")
+    scores = row_scores(workload, records, target)
+    lines += ["", "| row | study scores (steps) | median |", "|---|---|---:|"]
+    for row, values in scores.items():
+        median = _steps(sorted(values)[(len(values) - 1) // 2]) if values else "—"
+        shown = ", ".join(_steps(v) for v in values) or "—"
+        lines.append(f"| {row} | {shown} | {median if len(values) == workload.studies else '—'} |")
+    return lines
+
+
+def steps_trials(
+    workload: StepsWorkload, records: Sequence[dict[str, Any]], letter: Callable[[Any], str]
+) -> list[str]:
+    """Every trial of the workload, in the order it finished."""
+    target = target_of(workload, records)
+    lines = [
+        "",
+        f"### {workload.title}",
+        "",
+        "| phase | optimizer | # | seed | hyperparameters | status | machine | best score "
+        "| steps to target | steps | ms/step |",
+        "|---|---|---:|---:|---|---|---|---:|---:|---:|---:|",
+    ]
+    for record in (r for r in records if r["workload"] == workload.key):
+        summary = record.get("summary") or {}
+        steps = summary.get("steps") or 0
+        pace = 1e3 * summary.get("train_seconds", math.nan) / steps if steps else math.nan
+        reached = "—" if target is None else _steps(steps_to(record, workload.metric, target.value))
+        hparams = ", ".join(f"{k}={show(v)}" for k, v in record["hparams"].items())
+        lines.append(
+            f"| {record['phase']} | {record['optimizer']} | {record['index']} | "
+            f"{record['seed']} | {hparams} | {record['status']} | {letter(record)} | "
+            f"{best_score(record, workload.metric):.4f} | {reached} | {steps} | {pace:.0f} |"
+        )
+    return lines
