@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
         default="all",
         help="tune only, target-setting runs only (workloads whose baselines set the "
         "target), final runs only, a phase of the steps-scored workloads (target-tune, "
-        "target-seeds, pilot, score: text revision 4), all in order, or only rewrite the report",
+        "target-seeds, pilot, score, then cost: text revision 4), all in order, or only "
+        "rewrite the report",
     )
     parser.add_argument(
         "--parallel",

@@ -22,16 +22,18 @@ from typing import Any
 from study.analysis import select
 from study.protocol import StudyPlan, Trial, Workload, final_trial, target_trial, tuning_trials
 from study.report import write_report
-from study.runner import Launcher, kill_running, run_trial
+from study.runner import Launcher, allow_runs, kill_running, run_trial
 from study.steps import STEPS_PHASES, planned_steps_trials
+from study.steps_cost import cost_trials
 from study.store import TrialStore, check_protocol
 
 __all__ = ["ALL_PHASES", "PHASES", "planned_trials", "run_study"]
 
 #: What a study may be asked to do for the workloads timed to their targets, in order.
 PHASES = ("tune", "target", "final")
-#: Every phase, in order: those, then the steps-scored workloads'.
-ALL_PHASES = (*PHASES, *STEPS_PHASES)
+#: Every phase, in order: those, then the steps-scored workloads', then their step cost
+#: (one run at a time, alone on the machine: :mod:`study.steps_cost`).
+ALL_PHASES = (*PHASES, *STEPS_PHASES, "cost")
 
 
 def _tuned(plan: StudyPlan, store: TrialStore, workload: Workload) -> bool:
@@ -75,6 +77,8 @@ def planned_trials(plan: StudyPlan, store: TrialStore, phase: str) -> list[Trial
     steps-scored workloads' phases: :func:`study.steps.planned_steps_trials`)."""
     if phase in STEPS_PHASES:
         return [t for w in plan.steps for t in planned_steps_trials(w, store.records, phase)]
+    if phase == "cost":
+        return [t for w in plan.steps for t in cost_trials(w, store.records)]
     if phase == "tune":
         return [t for w in plan.workloads for t in tuning_trials(plan, w)]
     if phase == "target":
@@ -103,6 +107,7 @@ def run_study(
     """
     check_protocol(out, plan.protocol())
     store = TrialStore(out / "trials.jsonl")
+    allow_runs()
     for phase in ALL_PHASES:
         if phase not in phases:
             continue
@@ -112,13 +117,13 @@ def run_study(
             f"{phase}: {len(trials) - len(missing)} of {len(trials)} trials recorded, "
             f"{len(missing)} to run"
         )
-        steps = phase in STEPS_PHASES
+        steps = phase in (*STEPS_PHASES, "cost")
         chosen, workers = (single or launcher, 1) if steps else (launcher, plan.workers)
 
         def run(trial: Trial, chosen: Launcher = chosen, workers: int = workers) -> dict[str, Any]:
             return run_trial(trial, out, chosen, store, timeout=timeout, workers=workers)
 
-        _run_all(missing, run, phase, log, parallel if steps else 1)
+        _run_all(missing, run, phase, log, parallel if phase in STEPS_PHASES else 1)
     path = write_report(plan, store.records, out, command)
     log(f"report: {path}")
     return store
@@ -155,9 +160,10 @@ def _run_all(
         for future in [pool.submit(one, trial) for trial in trials]:
             future.result()
     except BaseException:
-        # Ctrl-C or SIGTERM reach this thread only: end the runs the others wait for.
-        pool.shutdown(wait=False, cancel_futures=True)
+        # Ctrl-C or SIGTERM reach this thread only: end the runs the others wait for (a
+        # run ended so is not recorded: it runs again when the study continues).
         kill_running()
+        pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown()
 

@@ -34,6 +34,8 @@ __all__ = [
     "LaunchResult",
     "Launcher",
     "ProcessLauncher",
+    "StudyInterruptedError",
+    "allow_runs",
     "kill_running",
     "run_trial",
     "train_command",
@@ -79,10 +81,22 @@ def train_command(flags: list[str], out_dir: Path, workers: int) -> list[str]:
 #: The runs under way (trials may run side by side), for :func:`kill_running`.
 _RUNNING: set[subprocess.Popen[str]] = set()
 _RUNNING_LOCK = threading.Lock()
+_STOPPING = threading.Event()
+
+
+def allow_runs() -> None:
+    """Let runs start again after :func:`kill_running` (a study continued in-process)."""
+    _STOPPING.clear()
+
+
+class StudyInterruptedError(Exception):
+    """A run was ended because the study was interrupted: it is not recorded."""
 
 
 def kill_running() -> None:
-    """End every run under way (the study was interrupted while trials ran side by side)."""
+    """End every run under way (the study was interrupted while trials ran side by side);
+    their launchers raise :class:`StudyInterruptedError` instead of returning."""
+    _STOPPING.set()
     with _RUNNING_LOCK:
         running = list(_RUNNING)
     for process in running:
@@ -126,6 +140,8 @@ class ProcessLauncher:
         finally:
             with _RUNNING_LOCK:
                 _RUNNING.discard(process)
+        if _STOPPING.is_set():
+            raise StudyInterruptedError(f"{out_dir.name}: ended with the study")
         return LaunchResult(
             process.returncode,
             time.perf_counter() - started,

@@ -20,6 +20,7 @@ from study.steps import (
     steps_to,
     target_of,
 )
+from study.steps_cost import COST_ROUNDS, COST_STEPS, cost_ratios
 
 __all__ = ["steps_protocol", "steps_ratio_lines", "steps_results", "steps_trials"]
 
@@ -71,10 +72,19 @@ def steps_ratio_lines(workload: StepsWorkload, records: Sequence[dict[str, Any]]
         ]
     value, best = found
     primary = kfac_rows(workload, records)[0]
-    return [
+    steps_line = (
         f"ratio {workload.name} steps: {value:.2f} ({primary}'s median steps to the target "
-        f"over {best}'s)",
-        f"ratio {workload.name}: n/a (the step-cost benchmark has not run yet)",
+        f"over {best}'s)"
+    )
+    cost = cost_ratios(workload, records)
+    if cost is None:
+        return [steps_line, f"ratio {workload.name}: n/a (the step-cost runs are not all in)"]
+    median, low, high = cost
+    return [
+        steps_line,
+        f"ratio {workload.name}: {value * median:.2f} (the steps ratio x {primary}'s mean "
+        f"step over {best}'s, {median:.2f}: the median of {COST_ROUNDS} interleaved rounds "
+        f"of {COST_STEPS} steps, refresh steps included; rounds {low:.2f}-{high:.2f})",
     ]
 
 

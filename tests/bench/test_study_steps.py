@@ -143,7 +143,7 @@ def test_phases_run_in_order_and_set_the_target_by_algoperfs_rule(tmp_path: Path
     workload = _plan().steps[0]
     records = store.records
     phases = [r["phase"] for r in records if r["workload"] == workload.key]
-    assert phases == sorted(phases, key=STEPS_PHASES.index)
+    assert phases == sorted(phases, key=[*STEPS_PHASES, "cost"].index)
     tuned = [r for r in records if r["phase"] == "target-tune"]
     assert {r["optimizer"] for r in tuned} == {"muon", "soap"}
     seeds = [r for r in records if r["phase"] == "target-seeds"]
@@ -178,7 +178,13 @@ def test_phases_run_in_order_and_set_the_target_by_algoperfs_rule(tmp_path: Path
     report = write_report(_plan(), records, tmp_path, "study").read_text()
     assert "### Workload text (revision 4)" in report
     assert f"ratio text steps: {value:.2f} ({rows[0]}'s median" in report
-    assert "ratio text: n/a (the step-cost benchmark has not run yet)" in report
+    assert "ratio text: n/a (the step-cost runs are not all in)" not in report
+    cost = [r for r in records if r["phase"] == "cost"]
+    assert len(cost) == 5 * len(scores)  # every row, 5 rounds, one at a time
+    for record in cost:
+        assert _options(record["flags"])["--max-steps"] == "200"
+    paces = {r["optimizer"]: r["summary"]["train_seconds"] / r["summary"]["steps"] for r in cost}
+    assert f"ratio text: {value * paces[rows[0]] / paces[best]:.2f} (the steps ratio" in report
 
 
 def test_a_row_that_never_reaches_the_target_scores_infinity() -> None:
