@@ -1,0 +1,95 @@
+"""K-FAC under tensor parallelism (DTensor ``parallelize_module``, gloo): each rank ends
+with its shard of what single-process float64 K-FAC computes on the global batch with the
+unsharded model, under d-kfac, spd-kfac, osawa and layer-paths, for an attention + MLP
+block with its heads split across 2 ranks (Megatron's plan, and torchtitan's with
+sequence parallelism), then under FSDP2 × TP on a 2 × 2 mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from distributed_helper import run_distributed
+from spdkfac import KFACPreconditioner
+from tp_cases import STRATEGIES, assert_matches, block, parallelize, train
+
+STEPS = 3
+#: (sequence parallelism, MLP width). Uneven shards: the MLP's 9 units without sequence
+#: parallelism (up's 5 + 4 rows, down's 5 + 4 columns); with it, the column-wise head's 5
+#: classes.
+VARIANTS = {"megatron": (False, 9), "sequence": (True, 12)}
+
+
+def _tp_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    out: dict[str, Any] = {}
+    for variant, (sequence, hidden) in VARIANTS.items():
+        for strategy in STRATEGIES:
+            model = parallelize(block(hidden), mesh, sequence=sequence)
+            out[f"{variant}/{strategy}"] = train(model, STEPS, (0, 4), strategy=strategy)
+    return out
+
+
+def test_tensor_parallel_matches_single_process_kfac() -> None:
+    results = run_distributed(_tp_worker, 2, timeout=240)
+    for variant, (_, hidden) in VARIANTS.items():
+        reference = train(block(hidden), STEPS, (0, 4))
+        for rank, out in enumerate(results):
+            for strategy in STRATEGIES:
+                label = f"{variant}/{strategy}"
+                assert_matches(out[label], reference, f"{label} rank {rank}")
+
+
+def _fsdp_tp_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_local_rank("dp")
+    out: dict[str, Any] = {}
+    for strategy in STRATEGIES:
+        model = fully_shard(parallelize(block(), mesh["tp"], sequence=True), mesh=mesh["dp"])
+        out[strategy] = train(model, STEPS, (2 * dp, 2 * dp + 2), strategy=strategy)
+    return out
+
+
+def test_fsdp2_times_tensor_parallel_matches_single_process_kfac() -> None:
+    results = run_distributed(_fsdp_tp_worker, 4, timeout=240)
+    reference = train(block(), STEPS, (0, 4))
+    for rank, out in enumerate(results):
+        for strategy in STRATEGIES:
+            assert_matches(out[strategy], reference, f"fsdp x tp/{strategy} rank {rank}")
+
+
+def _refused(build: Callable[[], Any]) -> str:
+    try:
+        build()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def _refusal_worker(rank: int, world_size: int) -> dict[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+    # Tensor parallelism over half the world, the other half's batches out of sight.
+    model = parallelize(block(), mesh["tp"], sequence=False)
+    out["tp without fsdp"] = _refused(lambda: KFACPreconditioner(model))
+    # HSDP × TP: a 3-D mesh.
+    cube = init_device_mesh("cpu", (1, 2, world_size // 2), mesh_dim_names=("r", "s", "tp"))
+    hsdp = fully_shard(parallelize(block(), cube["tp"], sequence=False), mesh=cube["r", "s"])
+    out["hsdp x tp"] = _refused(lambda: KFACPreconditioner(hsdp))
+    return out
+
+
+def test_unsupported_tensor_parallel_forms_are_refused_before_any_collective() -> None:
+    for out in run_distributed(_refusal_worker, 4, timeout=120):
+        assert "over 2 of 4 ranks without FSDP2" in out["tp without fsdp"], out
+        assert "3-D mesh (1, 2, 2)" in out["hsdp x tp"], out
+        for message in out.values():
+            assert "supported: tensor parallelism" in message, message
