@@ -11,13 +11,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kfac_reference import kronecker_precondition, outer_mean, with_one
 from spdkfac import KFACPreconditioner
 
 __all__ = [
+    "LINEAR",
     "OPTIONS",
     "STRATEGIES",
     "Block",
+    "assert_explicit",
+    "assert_matches",
     "block",
+    "explicit_first_step",
     "parallelize",
     "tp_batch",
     "train",
@@ -158,3 +163,54 @@ def assert_matches(
             torch.testing.assert_close(
                 got[name], value, rtol=1e-9, atol=1e-11, msg=f"{label} {name}"
             )
+
+
+#: The Linear layers of :class:`Block`.
+LINEAR = ("embed", "q", "k", "v", "o", "up", "down", "head")
+
+
+def explicit_first_step(hidden: int) -> dict[str, Tensor]:
+    """Independent float64 K-FAC of every Linear layer of the unsharded block on the first
+    global batch, without the KL clip: explicit per-row outer products (A over the B·T
+    rows with the constant 1 of a bias, G = (1/N) Σ δδᵀ with δ = N·g) and an explicit
+    Kronecker solve. Returns each layer's ``[∇W, ∇b]`` preconditioned, by layer name."""
+    model = block(hidden)
+    record: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def keep(name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+            output.retain_grad()
+            record[name] = (args[0].detach(), output)
+
+        return hook
+
+    for name in LINEAR:
+        getattr(model, name).register_forward_hook(keep(name))
+    inputs, targets = tp_batch(0)
+    F.cross_entropy(model(inputs).reshape(-1, CLASSES), targets.reshape(-1)).backward()
+    out: dict[str, Tensor] = {}
+    for name in LINEAR:
+        layer = getattr(model, name)
+        x, y = record[name]
+        assert y.grad is not None
+        rows = x.reshape(-1, x.shape[-1])
+        grads = y.grad.reshape(-1, y.shape[-1])
+        count = rows.shape[0]
+        biased = layer.bias is not None
+        a_factor = outer_mean([with_one(r) if biased else r for r in rows])
+        g_factor = outer_mean([count * g for g in grads])
+        matrix = layer.weight.grad
+        if biased:
+            matrix = torch.cat([matrix, layer.bias.grad[:, None]], dim=1)
+        damping = OPTIONS["damping"]
+        out[name] = kronecker_precondition(matrix, a_factor, g_factor, damping)
+    return out
+
+
+def assert_explicit(first: dict[str, Tensor], explicit: dict[str, Tensor], label: str) -> None:
+    """A run's first preconditioned Linear gradients equal :func:`explicit_first_step`'s."""
+    for name, expected in explicit.items():
+        got = first[f"{name}.weight"]
+        if f"{name}.bias" in first:
+            got = torch.cat([got, first[f"{name}.bias"][:, None]], dim=1)
+        torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-11, msg=f"{label} {name}")

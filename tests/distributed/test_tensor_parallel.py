@@ -11,7 +11,15 @@ from typing import Any
 
 from distributed_helper import run_distributed
 from spdkfac import KFACPreconditioner
-from tp_cases import STRATEGIES, assert_matches, block, parallelize, train
+from tp_cases import (
+    STRATEGIES,
+    assert_explicit,
+    assert_matches,
+    block,
+    explicit_first_step,
+    parallelize,
+    train,
+)
 
 STEPS = 3
 #: (sequence parallelism, MLP width). Uneven shards: the MLP's 9 units without sequence
@@ -29,6 +37,9 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, Any]:
         for strategy in STRATEGIES:
             model = parallelize(block(hidden), mesh, sequence=sequence)
             out[f"{variant}/{strategy}"] = train(model, STEPS, (0, 4), strategy=strategy)
+        # One step without the KL clip, for the explicit reference.
+        model = parallelize(block(hidden), mesh, sequence=sequence)
+        out[f"{variant}/explicit"] = train(model, 1, (0, 4), strategy="osawa", kl_clip=None)
     return out
 
 
@@ -36,7 +47,9 @@ def test_tensor_parallel_matches_single_process_kfac() -> None:
     results = run_distributed(_tp_worker, 2, timeout=240)
     for variant, (_, hidden) in VARIANTS.items():
         reference = train(block(hidden), STEPS, (0, 4))
+        explicit = explicit_first_step(hidden)
         for rank, out in enumerate(results):
+            assert_explicit(out[f"{variant}/explicit"][0], explicit, f"{variant} rank {rank}")
             for strategy in STRATEGIES:
                 label = f"{variant}/{strategy}"
                 assert_matches(out[label], reference, f"{label} rank {rank}")
