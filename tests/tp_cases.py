@@ -23,6 +23,7 @@ __all__ = [
     "assert_matches",
     "block",
     "explicit_first_step",
+    "freeze_and_tie",
     "parallelize",
     "tp_batch",
     "train",
@@ -214,3 +215,12 @@ def assert_explicit(first: dict[str, Tensor], explicit: dict[str, Tensor], label
         if f"{name}.bias" in first:
             got = torch.cat([got, first[f"{name}.bias"][:, None]], dim=1)
         torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-11, msg=f"{label} {name}")
+
+
+def freeze_and_tie(model: nn.Module) -> nn.Module:
+    """Freeze q's bias and the first norm, and tie k's weight to q's (after any
+    ``parallelize_module``, which gives each parameter a DTensor of its own)."""
+    model.q.bias.requires_grad_(False)
+    model.norm1.requires_grad_(False)
+    model.k.weight = model.q.weight
+    return model

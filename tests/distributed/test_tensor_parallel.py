@@ -2,7 +2,9 @@
 with its shard of what single-process float64 K-FAC computes on the global batch with the
 unsharded model, under d-kfac, spd-kfac, osawa and layer-paths, for an attention + MLP
 block with its heads split across 2 ranks (Megatron's plan, and torchtitan's with
-sequence parallelism), then under FSDP2 × TP on a 2 × 2 mesh."""
+sequence parallelism; uneven shards; frozen and tied parameters), every Linear layer's
+first step also against an explicit Kronecker solve; then under FSDP2 × TP on a 2 × 2
+mesh; and the forms spdkfac does not support refused before any collective."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from tp_cases import (
     assert_matches,
     block,
     explicit_first_step,
+    freeze_and_tie,
     parallelize,
     train,
 )
@@ -40,6 +43,9 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, Any]:
         # One step without the KL clip, for the explicit reference.
         model = parallelize(block(hidden), mesh, sequence=sequence)
         out[f"{variant}/explicit"] = train(model, 1, (0, 4), strategy="osawa", kl_clip=None)
+    for strategy in STRATEGIES:
+        model = freeze_and_tie(parallelize(block(), mesh, sequence=True))
+        out[f"frozen/{strategy}"] = train(model, STEPS, (0, 4), strategy=strategy)
     return out
 
 
@@ -53,6 +59,10 @@ def test_tensor_parallel_matches_single_process_kfac() -> None:
             for strategy in STRATEGIES:
                 label = f"{variant}/{strategy}"
                 assert_matches(out[label], reference, f"{label} rank {rank}")
+    reference = train(freeze_and_tie(block()), STEPS, (0, 4))
+    for rank, out in enumerate(results):
+        for strategy in STRATEGIES:
+            assert_matches(out[f"frozen/{strategy}"], reference, f"frozen/{strategy} rank {rank}")
 
 
 def _fsdp_tp_worker(rank: int, world_size: int) -> dict[str, Any]:
