@@ -15,6 +15,7 @@ from kfac_reference import kronecker_precondition, outer_mean, with_one
 from spdkfac import KFACPreconditioner
 
 __all__ = [
+    "CLASSES",
     "LINEAR",
     "OPTIONS",
     "STRATEGIES",

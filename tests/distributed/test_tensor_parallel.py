@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch.nn.functional as F
+
 from distributed_helper import run_distributed
 from spdkfac import KFACPreconditioner
 from tp_cases import (
+    CLASSES,
     STRATEGIES,
     assert_explicit,
     assert_matches,
@@ -21,6 +24,7 @@ from tp_cases import (
     explicit_first_step,
     freeze_and_tie,
     parallelize,
+    tp_batch,
     train,
 )
 
@@ -46,7 +50,18 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, Any]:
     for strategy in STRATEGIES:
         model = freeze_and_tie(parallelize(block(), mesh, sequence=True))
         out[f"frozen/{strategy}"] = train(model, STEPS, (0, 4), strategy=strategy)
+    out["parallelized after"] = _parallelized_after(mesh)
     return out
+
+
+def _parallelized_after(mesh: Any) -> str:
+    """The error of a step whose model was parallelized after the preconditioner was built."""
+    model = block()
+    precond = KFACPreconditioner(model)
+    parallelize(model, mesh, sequence=False)
+    inputs, targets = tp_batch(0)
+    F.cross_entropy(model(inputs).reshape(-1, CLASSES), targets.reshape(-1)).backward()
+    return _refused(precond.step)
 
 
 def test_tensor_parallel_matches_single_process_kfac() -> None:
@@ -63,6 +78,8 @@ def test_tensor_parallel_matches_single_process_kfac() -> None:
     for rank, out in enumerate(results):
         for strategy in STRATEGIES:
             assert_matches(out[f"frozen/{strategy}"], reference, f"frozen/{strategy} rank {rank}")
+        assert "replaced after KFACPreconditioner(model)" in out["parallelized after"], out
+        assert "parallelize_module" in out["parallelized after"]
 
 
 def _fsdp_tp_worker(rank: int, world_size: int) -> dict[str, Any]:
