@@ -19,19 +19,17 @@ and inverses (``KFACPreconditioner.memory_bytes()``). Writes a markdown table.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bench_fsdp import local_bytes, run_ranks, table  # benchmarks/ is the script's directory
 from spdkfac import KFACPreconditioner
 
 #: (name, tensor-parallel size, K-FAC strategy or None)
@@ -164,16 +162,6 @@ def build(tp: int, world: int, args: Any, dtype: torch.dtype = torch.float32) ->
     return model
 
 
-def _local_bytes(tensors: list[Tensor | None]) -> int:
-    total = 0
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        total += local.numel() * local.element_size()
-    return total
-
-
 def _run(rank: int, world: int, variant: tuple[str, int, str | None], args: Any) -> dict[str, Any]:
     name, tp, strategy = variant
     net = build(tp, world, args)
@@ -208,8 +196,8 @@ def _run(rank: int, world: int, variant: tuple[str, int, str | None], args: Any)
     return {
         "name": name,
         "times": times[args.warmup :],
-        "params": _local_bytes(list(params)),
-        "grads": _local_bytes([p.grad for p in params]),
+        "params": local_bytes(list(params)),
+        "grads": local_bytes([p.grad for p in params]),
         "factors": memory["factors"],
         "inverses": memory["inverses"],
     }
@@ -220,26 +208,6 @@ def _worker(rank: int, world: int, init: str, args: Any, queue: Any) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     queue.put((rank, [_run(rank, world, variant, args) for variant in VARIANTS]))
     dist.destroy_process_group()
-
-
-def _table(per_rank: dict[int, list[dict[str, Any]]]) -> str:
-    mib = 1024 * 1024
-    lines = [
-        "| variant | median step (ms) | mean step (ms) | params | grads | factors | inverses |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for index, (name, _, _) in enumerate(VARIANTS):
-        rows = [per_rank[rank][index] for rank in sorted(per_rank)]
-        slowest = [max(values) for values in zip(*(row["times"] for row in rows), strict=True)]
-        memory = [
-            "/".join(f"{row[key] / mib:.2f}" for row in rows)
-            for key in ("params", "grads", "factors", "inverses")
-        ]
-        lines.append(
-            f"| {name} | {1000 * statistics.median(slowest):.1f} | "
-            f"{1000 * statistics.mean(slowest):.1f} | " + " | ".join(memory) + " |"
-        )
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -258,19 +226,7 @@ def main() -> None:
     parser.add_argument("--inverse-every", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = str(Path(tmp) / "init")
-        procs = [
-            context.Process(target=_worker, args=(r, args.world_size, init, args, queue))
-            for r in range(args.world_size)
-        ]
-        for proc in procs:
-            proc.start()
-        per_rank = dict(queue.get(timeout=1800) for _ in procs)
-        for proc in procs:
-            proc.join()
+    per_rank = run_ranks(_worker, args.world_size, args)
     command = "python benchmarks/bench_tp.py " + " ".join(sys.argv[1:])
     text = (
         f"# FSDP2 x TP K-FAC vs FSDP2 x TP AdamW (tiny LLaMA, {args.world_size} ranks)\n\n"
@@ -281,7 +237,7 @@ def main() -> None:
         f"{args.steps} steps ({args.warmup} warm-up left out), factors every "
         f"{args.factor_every}, inverses every {args.inverse_every}; step time of the slowest "
         "rank; memory in MiB per rank (rank 0/1/...), live local tensors.\n\n"
-        f"{_table(per_rank)}\n"
+        f"{table(per_rank, [name for name, _, _ in VARIANTS])}\n"
     )
     print(text)
     if args.out is not None:
