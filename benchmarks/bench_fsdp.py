@@ -81,15 +81,32 @@ def _run(rank: int, world: int, variant: tuple[str, str, str | None], args: Any)
             factor_update_steps=args.factor_every,
             inv_update_steps=args.inverse_every,
         )
+    tokens = [
+        torch.randint(
+            0, 256, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(seed)
+        )
+        for seed in (step * world + rank for step in range(args.steps))
+    ]
+    return measure(name, net, optimizer, precond, tokens, args.warmup)
+
+
+def measure(
+    name: str,
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precond: KFACPreconditioner | None,
+    batches: list[torch.Tensor],
+    warmup: int,
+) -> dict[str, Any]:
+    """Train ``net`` on each of ``batches`` (token ids, next-token targets) and return the
+    step times after ``warmup`` and this rank's memory."""
     times = []
-    for step in range(args.steps):
-        generator = torch.Generator().manual_seed(step * world + rank)
-        tokens = torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=generator)
+    for tokens in batches:
         dist.barrier()
         start = time.perf_counter()
         optimizer.zero_grad()
         logits = net(tokens[:, :-1])
-        F.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
         if precond is None or precond.step():
             optimizer.step()
         times.append(time.perf_counter() - start)
@@ -97,7 +114,7 @@ def _run(rank: int, world: int, variant: tuple[str, str, str | None], args: Any)
     memory = precond.memory_bytes() if precond is not None else {"factors": 0, "inverses": 0}
     return {
         "name": name,
-        "times": times[args.warmup :],
+        "times": times[warmup:],
         "params": local_bytes(list(params)),
         "grads": local_bytes([p.grad for p in params]),
         "factors": memory["factors"],

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bench_fsdp import local_bytes, run_ranks, table  # benchmarks/ is the script's directory
+from bench_fsdp import measure, run_ranks, table  # benchmarks/ is the script's directory
 from spdkfac import KFACPreconditioner
 
 #: (name, tensor-parallel size, K-FAC strategy or None)
@@ -179,28 +178,16 @@ def _run(rank: int, world: int, variant: tuple[str, int, str | None], args: Any)
         )
     data_rank, data_ranks = rank // tp, world // tp  # the tp ranks of a batch share it
     per_rank = args.batch // data_ranks
-    times = []
-    for step in range(args.steps):
-        generator = torch.Generator().manual_seed(step * data_ranks + data_rank)
-        tokens = torch.randint(0, args.vocab, (per_rank, args.seq_len + 1), generator=generator)
-        dist.barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        logits = net(tokens[:, :-1])
-        F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1)).backward()
-        if precond is None or precond.step():
-            optimizer.step()
-        times.append(time.perf_counter() - start)
-    params = list(net.parameters())
-    memory = precond.memory_bytes() if precond is not None else {"factors": 0, "inverses": 0}
-    return {
-        "name": name,
-        "times": times[args.warmup :],
-        "params": local_bytes(list(params)),
-        "grads": local_bytes([p.grad for p in params]),
-        "factors": memory["factors"],
-        "inverses": memory["inverses"],
-    }
+    tokens = [
+        torch.randint(
+            0,
+            args.vocab,
+            (per_rank, args.seq_len + 1),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        for seed in (step * data_ranks + data_rank for step in range(args.steps))
+    ]
+    return measure(name, net, optimizer, precond, tokens, args.warmup)
 
 
 def _worker(rank: int, world: int, init: str, args: Any, queue: Any) -> None:
