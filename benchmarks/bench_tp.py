@@ -1,17 +1,13 @@
 """Per-step time and memory per rank of FSDP2 × TP K-FAC against FSDP2 × TP AdamW (and
 FSDP2 alone) on a tiny LLaMA-style model, gloo ranks on this machine, one thread each.
 
-The model: token embedding, blocks of RMSNorm → attention (separate q, k, v, o
-projections, no bias, no rotary embedding) and RMSNorm → SwiGLU MLP, a final RMSNorm and
-an output projection. Tensor parallelism follows torchtitan's plan for LLaMA: the
-embedding row-wise into a sequence-sharded residual stream, ``SequenceParallel`` norms,
-q/k/v and the MLP's gate and up projections column-wise (the heads split across the
-ranks), o and the MLP's down projection row-wise back into the stream, the output
-column-wise (replicated logits). ``fully_shard`` then shards each block and the root
-over the data-parallel mesh dimension. Times are per step (forward, backward,
-``precond.step()``, ``optimizer.step()``) after ``--warmup`` steps, the slowest rank's;
-memory is the live local tensors: parameters and gradients (this rank's shards), factors
-and inverses (``KFACPreconditioner.memory_bytes()``). Writes a markdown table.
+The model is :class:`spdkfac.models.llama.Llama`, tensor-parallel by torchtitan's plan
+(:func:`spdkfac.comm.tensor_parallel_plan.parallelize_llama`); ``fully_shard`` then
+shards each block and the root over the data-parallel mesh dimension. Times are per step
+(forward, backward, ``precond.step()``, ``optimizer.step()``) after ``--warmup`` steps,
+the slowest rank's; memory is the live local tensors: parameters and gradients (this
+rank's shards), factors and inverses (``KFACPreconditioner.memory_bytes()``). Writes a
+markdown table.
 
     python benchmarks/bench_tp.py --out benchmarks/reports/fsdp_tp_llama_4ranks.md
 """
@@ -25,11 +21,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor, nn
 
 from bench_fsdp import measure, run_ranks, table  # benchmarks/ is the script's directory
 from spdkfac import KFACPreconditioner
+from spdkfac.comm.tensor_parallel_plan import parallelize_llama
+from spdkfac.models.llama import Llama
 
 #: (name, tensor-parallel size, K-FAC strategy or None)
 VARIANTS = (
@@ -39,106 +35,6 @@ VARIANTS = (
     ("FSDP2 + AdamW", 1, None),
     ("FSDP2 + K-FAC (spd-kfac)", 1, "spd-kfac"),
 )
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.head_dim = dim // heads
-        self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
-
-    def _heads(self, x: Tensor) -> Tensor:
-        batch, tokens, _ = x.shape  # the local heads under tensor parallelism
-        return x.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        batch, _, tokens, _ = y.shape
-        out: Tensor = self.wo(y.transpose(1, 2).reshape(batch, tokens, -1))
-        return out
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return out
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int) -> None:
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(dim)
-        self.attention = Attention(dim, heads)
-        self.ffn_norm = nn.RMSNorm(dim)
-        self.feed_forward = FeedForward(dim, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x))
-        out: Tensor = x + self.feed_forward(self.ffn_norm(x))
-        return out
-
-
-class Llama(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, hidden: int) -> None:
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, hidden) for _ in range(layers))
-        self.norm = nn.RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        out: Tensor = self.output(self.norm(x))
-        return out
-
-
-def parallelize(model: Llama, mesh: Any) -> Llama:
-    """torchtitan's LLaMA plan on the 1-D tensor-parallel ``mesh`` (module docstring)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    tokens = Shard(1)
-    root = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=tokens),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=tokens, output_layouts=Replicate()),
-    }
-    parallelize_module(model, mesh, root)
-    gather = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(Replicate(),))
-    for block in model.layers:
-        plan = {
-            "attention_norm": SequenceParallel(),
-            "attention": gather,
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=tokens),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": gather,
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=tokens),
-        }
-        parallelize_module(block, mesh, plan)
-    return model
 
 
 def build(tp: int, world: int, args: Any, dtype: torch.dtype = torch.float32) -> Llama:
@@ -151,7 +47,7 @@ def build(tp: int, world: int, args: Any, dtype: torch.dtype = torch.float32) ->
     model = Llama(args.vocab, args.dim, args.layers, args.heads, args.hidden).to(dtype)
     if tp > 1:
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        parallelize(model, mesh["tp"])
+        parallelize_llama(model, mesh["tp"])
         dp = mesh["dp"]
     else:
         dp = init_device_mesh("cpu", (world,))

@@ -25,6 +25,7 @@ __all__ = [
     "block",
     "explicit_first_step",
     "freeze_and_tie",
+    "llama",
     "parallelize",
     "tp_batch",
     "train",
@@ -124,6 +125,23 @@ def tp_batch(step: int) -> tuple[Tensor, Tensor]:
     return inputs, targets
 
 
+def llama() -> nn.Module:
+    """A float64 :class:`~spdkfac.models.llama.Llama` over a vocabulary of ``CLASSES``
+    tokens (2 blocks, width 8, 2 heads, SwiGLU 12)."""
+    from spdkfac.models.llama import Llama
+
+    torch.manual_seed(0)
+    return Llama(CLASSES, WIDTH, 2, HEADS, 12).double()
+
+
+def token_batch(step: int) -> tuple[Tensor, Tensor]:
+    """Step ``step``'s global batch of 4 sequences of 6 token ids and their next tokens."""
+    tokens = torch.randint(
+        0, CLASSES, (4, TOKENS + 1), generator=torch.Generator().manual_seed(step)
+    )
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def _full(tensor: Tensor) -> Tensor:
     full = getattr(tensor, "full_tensor", None)
     value = full() if full is not None else tensor
@@ -135,14 +153,16 @@ def train(
     model: nn.Module, steps: int, part: tuple[int, int], **options: Any
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The whole preconditioned gradients of the first step and the whole parameters
-    after ``steps`` SGD steps on rows ``part`` of each global batch."""
+    after ``steps`` SGD steps on rows ``part`` of each global batch (the block's, or a
+    LLaMA's token batches)."""
+    batches = token_batch if isinstance(model, _llama_type()) else tp_batch
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     precond = KFACPreconditioner(model, optimizer=optimizer, **{**OPTIONS, **options})
     first: dict[str, Tensor] = {}
     begin, end = part
     for step in range(steps):
         optimizer.zero_grad()
-        inputs, targets = tp_batch(step)
+        inputs, targets = batches(step)
         logits = model(inputs[begin:end])
         F.cross_entropy(logits.reshape(-1, CLASSES), targets[begin:end].reshape(-1)).backward()
         assert precond.step()
@@ -150,6 +170,12 @@ def train(
             first = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
     return first, {n: _full(p) for n, p in model.named_parameters()}
+
+
+def _llama_type() -> type[nn.Module]:
+    from spdkfac.models.llama import Llama
+
+    return Llama
 
 
 def assert_matches(

@@ -4,8 +4,9 @@ unsharded model, under d-kfac, spd-kfac, osawa and layer-paths, for an attention
 block with its heads split across 2 ranks (Megatron's plan, and torchtitan's with
 sequence parallelism; uneven shards; frozen and tied parameters), every Linear layer's
 first step also against an explicit Kronecker solve; then under FSDP2 × TP on a 2 × 2
-mesh, with the eigen-basis and one-sided forms too; and the forms spdkfac does not
-support refused before any collective."""
+mesh, with the eigen-basis and one-sided forms too, and a tiny LLaMA parallelized by
+torchtitan's plan; and the forms spdkfac does not support refused before any
+collective."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from distributed_helper import run_distributed
 from spdkfac import KFACPreconditioner
+from spdkfac.comm.tensor_parallel_plan import parallelize_llama
 from tp_cases import (
     CLASSES,
     STRATEGIES,
@@ -24,6 +26,7 @@ from tp_cases import (
     block,
     explicit_first_step,
     freeze_and_tie,
+    llama,
     parallelize,
     tp_batch,
     train,
@@ -40,6 +43,9 @@ FROZEN = ("spd-kfac", "osawa")
 #: block it departs from single-process K-FAC under FSDP2 alone too (its elementwise
 #: moments in the eigen-bases amplify rounding), nothing tensor parallelism adds.
 FORMS = (("spd-kfac", "eigen-basis"), ("osawa", "one-sided"))
+#: The LLaMA with torchtitan's plan (row-wise embedding, ``PrepareModuleInput``, RMSNorm)
+#: under FSDP2 × TP.
+LLAMA = ("spd-kfac", "osawa")
 
 
 def _tp_worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -104,6 +110,9 @@ def _fsdp_tp_worker(rank: int, world_size: int) -> dict[str, Any]:
         model = fully_shard(parallelize(block(), mesh["tp"], sequence=True), mesh=mesh["dp"])
         strategy = label.split("/")[0]
         out[label] = train(model, STEPS, (2 * dp, 2 * dp + 2), strategy=strategy, **options)
+    for strategy in LLAMA:
+        model = fully_shard(parallelize_llama(llama(), mesh["tp"]), mesh=mesh["dp"])
+        out[f"llama/{strategy}"] = train(model, STEPS, (2 * dp, 2 * dp + 2), strategy=strategy)
     return out
 
 
@@ -120,6 +129,10 @@ def test_fsdp2_times_tensor_parallel_matches_single_process_kfac() -> None:
         for strategy, method in FORMS:
             label = f"{strategy}/{method}"
             assert_matches(out[label], forms[method], f"fsdp x tp/{label} rank {rank}")
+    reference = train(llama(), STEPS, (0, 4))
+    for rank, out in enumerate(results):
+        for strategy in LLAMA:
+            assert_matches(out[f"llama/{strategy}"], reference, f"llama/{strategy} rank {rank}")
 
 
 def _refused(build: Callable[[], Any]) -> str:
