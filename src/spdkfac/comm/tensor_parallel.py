@@ -60,33 +60,40 @@ def check_tensor_parallel(model: nn.Module) -> None:
     """Refuse tensor-parallel forms spdkfac does not support (before any collective).
 
     Raises:
-        ValueError: A mesh of more than two dimensions (HSDP × TP); without FSDP2, a mesh
-            that does not span the world (its other ranks' batches would be averaged into
-            the factors but not into the gradients); under FSDP2, plain parameters beside
-            sharded ones.
+        ValueError: A mesh of more than two dimensions (HSDP × TP); a tensor-parallel
+            mesh (without FSDP2, any; under FSDP2, the 2-D one) that does not span the world
+            (its other ranks' batches would be averaged into the factors but not into the
+            gradients); under FSDP2, plain parameters beside sharded ones.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     fully_sharded = any(isinstance(module, FSDPModule) for module in model.modules())
+    sharded: list[tuple[str, DTensor]] = []
     for name, param in model.named_parameters():
-        if not isinstance(param, DTensor):
-            if fully_sharded:
-                raise ValueError(
-                    f"model: parameter {name!r} is not sharded while others are; "
-                    f"fully_shard the root module too (supported: {SUPPORTED_TENSOR_PARALLEL})"
-                )
-            continue
-        mesh = param.device_mesh
+        if isinstance(param, DTensor):
+            sharded.append((name, param))
+        elif fully_sharded:
+            raise ValueError(
+                f"model: parameter {name!r} is not sharded while others are; "
+                f"fully_shard the root module too (supported: {SUPPORTED_TENSOR_PARALLEL})"
+            )
+    for name, dtensor in sharded:
+        mesh = dtensor.device_mesh
         if mesh.ndim > 2:
             raise ValueError(
                 f"model: parameter {name!r} lives on a {mesh.ndim}-D mesh "
                 f"{tuple(mesh.mesh.shape)} (HSDP × TP?), which spdkfac does not support; "
                 f"supported: {SUPPORTED_TENSOR_PARALLEL}"
             )
-        if not fully_sharded and mesh.size() != world:
+    for name, dtensor in sharded:
+        # Under FSDP2 only the tensor-parallel placements: a module left out of the plan
+        # keeps FSDP2's data-parallel mesh.
+        placed = not fully_sharded or tuple(dtensor.placements) not in _FSDP_PLACEMENTS
+        if placed and dtensor.device_mesh.size() != world:
+            how = "under FSDP2" if fully_sharded else "without FSDP2"
             raise ValueError(
-                f"model: parameter {name!r} is tensor-parallel over {mesh.size()} of "
-                f"{world} ranks without FSDP2: the other ranks' data parallelism is not "
-                f"one spdkfac can see; supported: {SUPPORTED_TENSOR_PARALLEL}"
+                f"model: parameter {name!r} is tensor-parallel over "
+                f"{dtensor.device_mesh.size()} of {world} ranks {how}: the other ranks' data "
+                f"parallelism is not one spdkfac can see; supported: {SUPPORTED_TENSOR_PARALLEL}"
             )
 
 
