@@ -41,7 +41,8 @@ VARIANTS = (
 )
 
 
-def _local_bytes(tensors: list[torch.Tensor | None]) -> int:
+def local_bytes(tensors: list[torch.Tensor | None]) -> int:
+    """Bytes of the tensors' local parts (a DTensor's shard on this rank)."""
     total = 0
     for tensor in tensors:
         if tensor is None:
@@ -80,15 +81,32 @@ def _run(rank: int, world: int, variant: tuple[str, str, str | None], args: Any)
             factor_update_steps=args.factor_every,
             inv_update_steps=args.inverse_every,
         )
+    tokens = [
+        torch.randint(
+            0, 256, (args.batch, args.seq_len + 1), generator=torch.Generator().manual_seed(seed)
+        )
+        for seed in (step * world + rank for step in range(args.steps))
+    ]
+    return measure(name, net, optimizer, precond, tokens, args.warmup)
+
+
+def measure(
+    name: str,
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precond: KFACPreconditioner | None,
+    batches: list[torch.Tensor],
+    warmup: int,
+) -> dict[str, Any]:
+    """Train ``net`` on each of ``batches`` (token ids, next-token targets) and return the
+    step times after ``warmup`` and this rank's memory."""
     times = []
-    for step in range(args.steps):
-        generator = torch.Generator().manual_seed(step * world + rank)
-        tokens = torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=generator)
+    for tokens in batches:
         dist.barrier()
         start = time.perf_counter()
         optimizer.zero_grad()
         logits = net(tokens[:, :-1])
-        F.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
         if precond is None or precond.step():
             optimizer.step()
         times.append(time.perf_counter() - start)
@@ -96,9 +114,9 @@ def _run(rank: int, world: int, variant: tuple[str, str, str | None], args: Any)
     memory = precond.memory_bytes() if precond is not None else {"factors": 0, "inverses": 0}
     return {
         "name": name,
-        "times": times[args.warmup :],
-        "params": _local_bytes(list(params)),
-        "grads": _local_bytes([p.grad for p in params]),
+        "times": times[warmup:],
+        "params": local_bytes(list(params)),
+        "grads": local_bytes([p.grad for p in params]),
         "factors": memory["factors"],
         "inverses": memory["inverses"],
     }
@@ -111,13 +129,15 @@ def _worker(rank: int, world: int, init: str, args: Any, queue: Any) -> None:
     dist.destroy_process_group()
 
 
-def _table(per_rank: dict[int, list[dict[str, Any]]], args: Any) -> str:
+def table(per_rank: dict[int, list[dict[str, Any]]], names: list[str]) -> str:
+    """The markdown table of each variant (``names``, in run order): the slowest rank's
+    median and mean step, each rank's memory in MiB."""
     mib = 1024 * 1024
     lines = [
         "| variant | median step (ms) | mean step (ms) | params | grads | factors | inverses |",
         "|---|---|---|---|---|---|---|",
     ]
-    for index, (name, _, _) in enumerate(VARIANTS):
+    for index, name in enumerate(names):
         rows = [per_rank[rank][index] for rank in sorted(per_rank)]
         slowest = [max(values) for values in zip(*(row["times"] for row in rows), strict=True)]
         memory = [
@@ -131,6 +151,23 @@ def _table(per_rank: dict[int, list[dict[str, Any]]], args: Any) -> str:
     return "\n".join(lines)
 
 
+def run_ranks(worker: Any, world: int, args: Any) -> dict[int, list[dict[str, Any]]]:
+    """Each rank's results of ``worker(rank, world, init, args, queue)`` on spawned ranks."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = str(Path(tmp) / "init")
+        procs = [
+            context.Process(target=worker, args=(r, world, init, args, queue)) for r in range(world)
+        ]
+        for proc in procs:
+            proc.start()
+        per_rank = dict(queue.get(timeout=1800) for _ in procs)
+        for proc in procs:
+            proc.join()
+    return per_rank
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
@@ -142,20 +179,8 @@ def main() -> None:
     parser.add_argument("--inverse-every", type=int, default=25)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = str(Path(tmp) / "init")
-        procs = [
-            context.Process(target=_worker, args=(r, args.world_size, init, args, queue))
-            for r in range(args.world_size)
-        ]
-        for proc in procs:
-            proc.start()
-        per_rank = dict(queue.get(timeout=1800) for _ in procs)
-        for proc in procs:
-            proc.join()
-    table = _table(per_rank, args)
+    per_rank = run_ranks(_worker, args.world_size, args)
+    table_text = table(per_rank, [name for name, _, _ in VARIANTS])
     command = "python benchmarks/bench_fsdp.py " + " ".join(sys.argv[1:])
     text = (
         f"# FSDP2 + K-FAC vs FSDP2 + AdamW vs DDP + K-FAC (GPT, {args.world_size} ranks)\n\n"
@@ -163,7 +188,7 @@ def main() -> None:
         f"rank, context {args.seq_len}, {args.steps} steps ({args.warmup} warm-up left out), "
         f"factors every {args.factor_every}, inverses every {args.inverse_every}; step time "
         "of the slowest rank; memory in MiB per rank (rank 0/rank 1), live local tensors.\n\n"
-        f"{table}\n"
+        f"{table_text}\n"
     )
     print(text)
     if args.out is not None:

@@ -1,8 +1,8 @@
 """Sharded models spdkfac does not support get a ``ValueError`` naming what is supported,
-on every rank and before any collective: FSDP1, tensor-parallel placements (``Shard(1)``
-on a 1-D mesh; ``Replicate`` or ``Shard`` on the tensor-parallel dimension of a 2-D
-mesh), and a model ``fully_shard``-ed after the preconditioner was built. And a supported
-step issues no DTensor collective of its own (every gather is the Communicator's)."""
+on every rank and before any collective: FSDP1 and a model ``fully_shard``-ed after the
+preconditioner was built (tensor-parallel forms: tests/distributed/test_tensor_parallel.py).
+And an FSDP2 step issues no DTensor collective of its own (every gather is the
+Communicator's)."""
 
 from __future__ import annotations
 
@@ -38,19 +38,12 @@ def _fsdp1(mesh: Any) -> nn.Module:
     return FullyShardedDataParallel(_mlp(), device_id=torch.device("cpu"))
 
 
-def _row_parallel(mesh: Any) -> nn.Module:
-    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
-
-    return parallelize_module(_mlp(), mesh, {"2": RowwiseParallel()})
-
-
 def _inputs_worker(rank: int, world_size: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
     out = {
         "fsdp1": _refused(lambda: KFACPreconditioner(_fsdp1(mesh))),
-        "shard(1)": _refused(lambda: KFACPreconditioner(_row_parallel(mesh))),
     }
     # Sharded after the preconditioner was built: refused at the first step.
     model = conv_net()
@@ -66,42 +59,9 @@ def _inputs_worker(rank: int, world_size: int) -> dict[str, str]:
 def test_unsupported_sharding_is_refused_naming_what_is_supported() -> None:
     for out in run_distributed(_inputs_worker, 2, timeout=120):
         assert "FullyShardedDataParallel (FSDP1" in out["fsdp1"], out["fsdp1"]
-        assert "no module is fully_shard-ed" in out["shard(1)"], out["shard(1)"]
-        for case in ("fsdp1", "shard(1)"):
-            assert "supported: FSDP2" in out[case], out[case]
+        assert "supported: FSDP2" in out["fsdp1"], out["fsdp1"]
         assert "replaced after KFACPreconditioner(model) was built" in out["after"], out["after"]
         assert "fully_shard" in out["after"]
-
-
-def _tensor_parallel_worker(rank: int, world_size: int) -> dict[str, str]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    out = {}
-    # Shard on the tensor-parallel dimension, then FSDP over the data-parallel one.
-    model = parallelize_module(_mlp(), mesh["tp"], {"0": ColwiseParallel()})
-    fully_shard(model, mesh=mesh["dp"])
-    out["shard on tp"] = _refused(lambda: KFACPreconditioner(model))
-    # Replicated on the tensor-parallel dimension, FSDP over the data-parallel one.
-    replicated = nn.Sequential(nn.Linear(2, 2).double())
-    for name, param in list(replicated[0].named_parameters()):
-        dtensor = nn.Parameter(distribute_tensor(param.detach(), mesh["tp"], [Replicate()]))
-        setattr(replicated[0], name, dtensor)
-    fully_shard(replicated, mesh=mesh["dp"])
-    out["replicate on tp"] = _refused(lambda: KFACPreconditioner(replicated))
-    return out
-
-
-def test_tensor_parallel_dimensions_are_refused() -> None:
-    for out in run_distributed(_tensor_parallel_worker, 4, timeout=120):
-        for case, message in out.items():
-            assert "tensor parallelism" in message and "supported: FSDP2" in message, (
-                case,
-                message,
-            )
 
 
 def _no_dtensor_collective_worker(rank: int, world_size: int, strategy: str) -> dict[str, int]:

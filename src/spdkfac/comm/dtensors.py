@@ -8,7 +8,7 @@ import sys
 
 from torch import Tensor
 
-__all__ = ["local_part", "may_be_sharded"]
+__all__ = ["full_value", "local_part", "may_be_sharded"]
 
 _SHARDING_MODULES = ("torch.distributed.fsdp", "torch.distributed.tensor")
 
@@ -25,4 +25,16 @@ def local_part(tensor: Tensor | None) -> Tensor | None:
     if tensor is not None and module is not None and isinstance(tensor, module.DTensor):
         local: Tensor = module.DTensor.to_local(tensor)
         return local
+    return tensor
+
+
+def full_value(tensor: Tensor) -> Tensor:
+    """A DTensor's whole value (``full_tensor()``: a collective over its mesh when a
+    placement shards it, on every rank of that mesh, in the same order); any other
+    tensor itself. The capture reads tensor-parallel layers' inputs and output gradients
+    through this, so that every rank sees what the unsharded layer sees."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is not None and isinstance(tensor, module.DTensor):
+        full: Tensor = module.DTensor.full_tensor(tensor)
+        return full
     return tensor

@@ -9,6 +9,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from spdkfac.comm.dtensors import full_value
+
 __all__ = ["ActivationCapture"]
 
 InputSink = Callable[[str, nn.Module, Tensor], None]
@@ -61,7 +63,7 @@ def _on_output_grad(output: Any, sink: Callable[[Tensor], None]) -> None:
         return
 
     def grad_hook(grad: Tensor) -> None:
-        sink(grad.detach())
+        sink(full_value(grad.detach()))
 
     output.register_hook(grad_hook)
 
@@ -80,7 +82,9 @@ class ActivationCapture:
     layer such as ``ReLU(inplace=True)``), together with that call's input: a layer used
     several times before one backward (or gradient accumulation) pairs every gradient
     with its own input. Holding the detached input costs no memory: autograd keeps it for
-    the layer's backward anyway.
+    the layer's backward anyway. A DTensor input or output gradient (a tensor-parallel
+    layer's) is captured whole: a collective over its mesh, issued by every rank of it in
+    the same order (the decision to capture is replicated).
 
     Args:
         modules: Name → module to capture.
@@ -110,8 +114,10 @@ class ActivationCapture:
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True)
             )
+            # Prepended: the layer's own output, before another forward hook replaces it
+            # (tensor parallelism's turns a sharded DTensor output into a local tensor).
             self._handles.append(
-                module.register_forward_hook(self._post_hook(name), with_kwargs=True)
+                module.register_forward_hook(self._post_hook(name), with_kwargs=True, prepend=True)
             )
 
     def _pre_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
@@ -131,7 +137,7 @@ class ActivationCapture:
                 if not _in_backward():
                     calls.append(None)  # an empty batch contributes nothing (weight 0)
                 return
-            inputs = layer_input.detach()
+            inputs = full_value(layer_input.detach())
             unbatched = inputs.dim() == self._unbatched[name]
             if unbatched:
                 inputs = inputs.unsqueeze(0)

@@ -121,10 +121,10 @@ class GradientGuard:
             if module.weight is not weight:
                 raise ValueError(
                     f"model: the weight of layer {name!r} was replaced after "
-                    "KFACPreconditioner(model) was built (fully_shard or another wrapper "
-                    "applied afterwards?); shard or wrap the model first (supported: plain, "
-                    "DistributedDataParallel, FSDP2 fully_shard / HSDP), then build the "
-                    "preconditioner"
+                    "KFACPreconditioner(model) was built (fully_shard, parallelize_module or "
+                    "another wrapper applied afterwards?); shard or wrap the model first "
+                    "(supported: plain, DistributedDataParallel, FSDP2 fully_shard / HSDP, "
+                    "tensor parallelism alone or under FSDP2), then build the preconditioner"
                 )
         if self.unchanged():
             raise RuntimeError(

@@ -1,5 +1,6 @@
 """Where a model's parameters and gradients live: a plain module, one wrapped by
-``DistributedDataParallel``, or one sharded by FSDP2 (each behind :class:`ParameterLayout`)."""
+``DistributedDataParallel``, one sharded by FSDP2, or a tensor-parallel one (alone or
+under FSDP2; each behind :class:`ParameterLayout`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def layout_of(model: nn.Module) -> ParameterLayout:
 
     Raises:
         ValueError: A module compiled with ``fullgraph=True``; sharding other than FSDP2's
-            (FSDP1, tensor-parallel placements).
+            and tensor parallelism's (FSDP1, HSDP × TP).
     """
     outer = unwrap_compiled(model)
     if isinstance(outer, nn.parallel.DistributedDataParallel):
@@ -34,8 +35,12 @@ def layout_of(model: nn.Module) -> ParameterLayout:
     if may_be_sharded():
         # Imported only once FSDP or DTensor is: no model is sharded before that.
         from spdkfac.comm.sharded import is_fully_sharded
+        from spdkfac.comm.tensor_parallel import is_tensor_parallel
         from spdkfac.layout.fsdp import FullyShardedLayout
+        from spdkfac.layout.tensor_parallel import TensorParallelLayout
 
+        if is_fully_sharded(outer) and is_tensor_parallel(outer):
+            return TensorParallelLayout(outer)
         if is_fully_sharded(outer):
             return FullyShardedLayout(outer)
     return PlainLayout(outer)

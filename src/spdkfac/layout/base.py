@@ -29,7 +29,7 @@ class ParameterLayout(Protocol):
     """Where a model's parameters and gradients live (module docstring).
 
     Attributes:
-        name: ``"plain"``, ``"ddp"`` or ``"fsdp"`` (reports and error messages).
+        name: ``"plain"``, ``"ddp"``, ``"fsdp"`` or ``"tp"`` (reports and error messages).
         module: The user's module, inside every wrapper.
         gradients: How each parameter's full gradient is read and written.
         reduces_gradients: The wrapper averages gradients over the group during

@@ -1,0 +1,58 @@
+"""A tensor-parallel model (DTensor ``parallelize_module``: column- and row-wise Linear
+layers, sequence-parallel norms), alone on a 1-D mesh or under FSDP2 on a 2-D
+``(dp, tp)`` mesh. The capture reads every sharded layer input and output gradient whole
+(so each rank's factors are the unsharded model's on its data-parallel batch), the factor
+exchange averages them over the world (the tensor-parallel ranks of one batch hold equal
+ones), and the preconditioner reads each block's whole gradient and writes back this
+rank's shard: each rank ends with its shard of the unsharded model's preconditioned
+gradient."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+from spdkfac.comm import Communicator
+from spdkfac.comm.tensor_parallel import TensorParallelGradients, check_tensor_parallel
+from spdkfac.layers import GradientAccess
+from spdkfac.layout.base import GradientHook
+
+__all__ = ["TensorParallelLayout"]
+
+
+class TensorParallelLayout:
+    """A tensor-parallel model, with or without FSDP2 (module docstring).
+
+    Args:
+        model: The model (``parallelize_module`` and FSDP2 keep the user's modules).
+
+    Raises:
+        ValueError: Forms spdkfac does not support
+            (:func:`~spdkfac.comm.tensor_parallel.check_tensor_parallel`).
+    """
+
+    name = "tp"
+    # Tensor parallelism alone spans the world (one batch); FSDP2 averages over dp.
+    reduces_gradients = True
+    routes_gradients = False
+
+    def __init__(self, model: nn.Module) -> None:
+        check_tensor_parallel(model)
+        self.module = model
+        self._access = TensorParallelGradients()
+        self.gradients: GradientAccess = self._access
+
+    def route_gradients(self, hook: GradientHook) -> None:
+        raise ValueError(
+            "tensor parallelism (and FSDP2) reduce gradients themselves: spdkfac cannot "
+            "route them through a communication hook"
+        )
+
+    def owner_gradients(
+        self, communicator: Communicator, params: Sequence[Tensor], owners: Sequence[int]
+    ) -> GradientAccess:
+        return self._access.gather_to_owners(communicator, params, owners)
+
+    def clip_sum(self, partial: float) -> float:
+        return partial
