@@ -24,6 +24,7 @@ from spdkfac.engine.autotune import AutoChoice, AutoTuner
 from spdkfac.engine.clip import LearningRates
 from spdkfac.engine.final import EngineParts
 from spdkfac.engine.guard import GradientGuard, ModelClaim, warn_uncaptured
+from spdkfac.engine.staging import apply_staged
 from spdkfac.engine.state import Counters, StateKeeper
 from spdkfac.layout import layout_of
 from spdkfac.planning.fusion import FusionPlan
@@ -189,8 +190,7 @@ class KFACPreconditioner:
     @property
     def batchnorm_layers(self) -> list[str]:
         """Normalization layers given curvature (BatchNorm, GroupNorm, LayerNorm, RMSNorm;
-        empty unless ``normalization`` or ``batchnorm`` is set). The name predates the
-        other normalization layers."""
+        empty unless ``normalization`` or ``batchnorm`` is set; the name is older)."""
         return list(self._state.normalization())
 
     def batchnorm_blocks(self, name: str) -> tuple[Tensor | None, Tensor | None]:
@@ -255,7 +255,7 @@ class KFACPreconditioner:
             stages.inverses.run(self._blocks, self.config.damping_at(step))
         kl_clip = self.config.kl_clip_at(step)
         rates = self._rates.at(self.config, step)
-        if not stages.final.apply(gradients, rates, kl_clip, usable):
+        if not apply_staged(stages.final, gradients, rates, kl_clip, usable):
             self._counters.skipped += 1
             return False
         self._guard.record()

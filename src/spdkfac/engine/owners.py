@@ -280,7 +280,7 @@ class OwnerStage:
 
     def _write(self, block: CurvatureBlock, matrix: Tensor, scale: float) -> None:
         for param in self._block_parameters[block.name]:
-            if param.grad is None:
+            if param.grad is None and param.requires_grad:  # not one frozen since (I7)
                 param.grad = torch.zeros_like(param)
         block.set_gradient(matrix.mul_(scale) if scale != 1.0 else matrix, self._layout.gradients)
 

@@ -173,9 +173,10 @@ class KFACLayer(ABC):
         bias = module.bias
         assert isinstance(bias, Tensor)
         bias_grad = access.read(bias)
-        return gradient_matrix(
-            weight_grad, torch.zeros_like(bias) if bias_grad is None else bias_grad
-        )
+        # A bias frozen after construction reads as zeros of its full shape: a plain
+        # tensor like the weight's gradient, also where the bias is a sharded DTensor.
+        zeros = weight_grad.new_zeros(bias.shape) if bias_grad is None else None
+        return gradient_matrix(weight_grad, bias_grad if zeros is None else zeros)
 
     def set_gradient(
         self, module: nn.Module, matrix: Tensor, access: GradientAccess = LOCAL_GRADIENTS
