@@ -89,25 +89,30 @@ __all__ = [
     "inverse_form",
 ]
 
-_FORMS: dict[str, Callable[[torch.dtype | None], InverseForm]] = {
-    "cholesky": lambda dtype: DampedInverse("cholesky", dtype),
-    "eigen": lambda dtype: DampedInverse("eigen", dtype),
-    "eigen-basis": EigenBasis,
+#: Each method's form from the results' and the factors' storage dtypes.
+_FORMS: dict[str, Callable[[torch.dtype | None, torch.dtype | None], InverseForm]] = {
+    "cholesky": lambda dtype, _: DampedInverse("cholesky", dtype),
+    "eigen": lambda dtype, _: DampedInverse("eigen", dtype),
+    "eigen-basis": lambda dtype, _: EigenBasis(dtype),
     "eigen-adam": EigenAdam,
-    "one-sided": OneSided,
+    "one-sided": lambda dtype, _: OneSided(dtype),
 }
 
 
 def inverse_form(
-    method: str, dtype: torch.dtype | None = None, grafting: str | None = None
+    method: str,
+    dtype: torch.dtype | None = None,
+    grafting: str | None = None,
+    factor_dtype: torch.dtype | None = None,
 ) -> InverseForm:
     """The form of an ``inverse_method`` value, storing results in ``dtype``, grafted
-    (:class:`Grafted`) unless ``grafting`` is None.
+    (:class:`Grafted`) unless ``grafting`` is None; ``factor_dtype`` (the factors'
+    storage dtype, None: float32) sets ``"eigen-adam"``'s eigenvalue resolution.
 
     Raises:
         ValueError: An unknown method or grafting.
     """
     if method not in _FORMS:
         raise ValueError(f"inverse_method must be one of {FORM_METHODS}, got {method!r}")
-    form = _FORMS[method](dtype)
+    form = _FORMS[method](dtype, factor_dtype)
     return form if grafting is None else Grafted(form, grafting)
