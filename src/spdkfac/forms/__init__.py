@@ -28,7 +28,13 @@ in ascending order each time, as SOAP keeps it). The moments are the block's sta
 by whoever preconditions (every rank, or the owner) and saved in state dicts. It is a full
 update direction (momentum and scale included): step it with a plain optimizer such as
 ``torch.optim.SGD`` without momentum (its ``weight_decay`` then is AdamW's decoupled
-decay), and without the KL clip. ``damping`` plays no part in it.
+decay), and without the KL clip. ``damping`` plays no part in it. Well posed on
+rank-deficient factors: the per-coordinate ``v`` divides only coordinates whose
+eigenvalues both factors resolve (above ``√d·ε·λ_max``, ``ε`` the epsilon of the coarsest
+stored precision: Weyl's bound on rounding); the others — a null space whose basis
+``eigh`` picks arbitrarily — are divided by ``√mean(v̂)`` of the layer, which no rotation
+changes, and share one stored ``v`` (their mean), so nothing of the arbitrary basis
+survives a refresh (see :class:`~spdkfac.forms.eigen.EigenAdam`).
 
 ``"one-sided"`` — only A's damped inverse, on the right: ``V = ∇ (A + γ·tr(A)/d·I)⁻¹``
 (the damping is relative to A's mean eigenvalue, so it does not depend on the
