@@ -26,26 +26,41 @@ def _spd(dim: int, seed: int, rank: int | None = None) -> Tensor:
     return rows.T @ rows / rows.shape[0]
 
 
-def _basis(factor: Tensor) -> Tensor:
-    """The eigenvectors, ``eigh`` in float64 (every factor here has distinct eigenvalues,
-    so the basis is unique up to signs, which the step does not see)."""
-    return torch.linalg.eigh(factor).eigenvectors.contiguous()
+def seen(eigenvalues: Tensor, epsilon: float = torch.finfo(torch.float32).eps) -> Tensor:
+    """The eigenvalues above ``√d · ε`` times the largest (the form's resolution)."""
+    return eigenvalues > eigenvalues.max() * len(eigenvalues) ** 0.5 * epsilon
 
 
-def _explicit_adam(gradients: list[Tensor], bases: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+def _basis(factor: Tensor) -> tuple[Tensor, Tensor]:
+    """The eigenvectors, ``eigh`` in float64, and which eigenvalues are resolved (the
+    resolved ones here are distinct, so that part of the basis is unique up to signs,
+    which the step does not see; the rest is the null space, where any basis does)."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(factor)
+    return eigenvectors.contiguous(), seen(eigenvalues)
+
+
+def explicit_adam(
+    gradients: list[Tensor], bases: list[tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]]
+) -> list[Tensor]:
     """SOAP's step with K-FAC's bases, written on vec(∇) with the explicit Kronecker
     rotation ``R = Q_A ⊗ Q_G`` (column-major vec): m in the parameters' space, v in the
-    rotated one, both bias-corrected."""
+    rotated one, both bias-corrected; a coordinate one of the factors does not resolve is
+    divided by the root of the mean of v̂ instead of its own, and keeps in v the mean of
+    all such coordinates."""
     out, g_dim, a_dim = [], *gradients[0].shape
     m = torch.zeros(g_dim * a_dim, dtype=torch.float64)
     v = torch.zeros(g_dim * a_dim, dtype=torch.float64)
-    for t, (gradient, (qa, qg)) in enumerate(zip(gradients, bases, strict=True), start=1):
+    for t, (gradient, ((qa, sa), (qg, sg))) in enumerate(zip(gradients, bases, strict=True), 1):
         rotation = torch.kron(qa, qg)  # vec(Q_Gᵀ X Q_A) = (Q_A ⊗ Q_G)ᵀ vec(X)
+        resolved = torch.kron(sa.double(), sg.double()) > 0
         vec = gradient.T.reshape(-1)
         m = BETA1 * m + (1 - BETA1) * vec
         v = BETA2 * v + (1 - BETA2) * (rotation.T @ vec) ** 2
+        if not resolved.all():  # the unresolved coordinates share their mean
+            v = torch.where(resolved, v, v[~resolved].mean())
         m_hat, v_hat = m / (1 - BETA1**t), v / (1 - BETA2**t)
-        direction = rotation @ ((rotation.T @ m_hat) / (v_hat.sqrt() + EPS))
+        scale = torch.where(resolved, v_hat, v_hat.mean()).sqrt() + EPS
+        direction = rotation @ ((rotation.T @ m_hat) / scale)
         out.append(direction.reshape(a_dim, g_dim).T)
     return out
 
@@ -63,7 +78,7 @@ def test_eigen_adam_is_soap_step_with_k_facs_bases_across_a_refresh() -> None:
         a_result, g_result = form.compute(a, 0.1), form.compute(g, 0.1)
         results.append(form.kronecker(gradient, a_result, g_result, 0.1, moments))
         bases.append((_basis(a), _basis(g)))
-    expected = _explicit_adam(gradients, bases)
+    expected = explicit_adam(gradients, bases)
     for result, reference in zip(results, expected, strict=True):
         torch.testing.assert_close(result, reference, rtol=1e-7, atol=1e-9)
     assert moments["steps"] is not None and float(moments["steps"]) == 4.0
@@ -79,7 +94,8 @@ def test_eigen_adam_of_a_diagonal_a_rotates_by_g_only() -> None:
     result = form.kronecker_diagonal(
         gradient, form.diagonal(a, 0.1), form.compute(g, 0.1), 0.1, moments
     )
-    expected = _explicit_adam([gradient], [(torch.eye(4, dtype=torch.float64), _basis(g))])
+    identity = (torch.eye(4, dtype=torch.float64), seen(a))  # the unseen column 0 included
+    expected = explicit_adam([gradient], [(identity, _basis(g))])
     torch.testing.assert_close(result, expected[0], rtol=1e-7, atol=1e-9)
 
 
@@ -182,7 +198,7 @@ def test_eigen_adam_preconditioner_over_refreshes_and_its_state_dict() -> None:
         for step in range(len(records)):
             refreshed = records[step - step % 2][2][name]  # the factors at the last refresh
             bases.append((_basis(refreshed[0]), _basis(refreshed[1])))
-        expected = _explicit_adam([raw[name] for raw, _, _ in records], bases)
+        expected = explicit_adam([raw[name] for raw, _, _ in records], bases)
         for (_, after, _), reference in zip(records, expected, strict=True):
             torch.testing.assert_close(after[name], reference, rtol=1e-6, atol=1e-8)
     saved = precond.state_dict()

@@ -310,7 +310,9 @@ class KFACConfig:
     def inverse_form(self) -> InverseForm:
         """What the inverse phase computes (``inverse_method`` in ``inverse_dtype``), and
         how it preconditions (grafted when ``grafting`` is set)."""
-        return inverse_form(self.inverse_method, self.inverse_dtype, self.grafting)
+        return inverse_form(
+            self.inverse_method, self.inverse_dtype, self.grafting, self.factor_dtype
+        )
 
     def updated(self, options: Mapping[str, Any]) -> KFACConfig:
         """These options with ``options`` changed; only :data:`MUTABLE_OPTIONS` may change.

@@ -302,7 +302,10 @@ class KFACPreconditioner:
         """Restore what :meth:`state_dict` returned; the layers must match exactly.
 
         With ``strategy="auto"``, a choice saved at the same world size is kept (no new
-        trials); after a world-size change the trials run again.
+        trials); after a world-size change the trials run again. A state dict saved with
+        another ``inverse_method`` or ``grafting`` loads its factors (its inverses when
+        they are of this form's kind, else they are recomputed at the next step) and this
+        form's running state (Adam's moments) starts fresh where it holds none.
 
         Raises:
             ValueError: When the format, the registered layers or a factor shape differ.

@@ -74,7 +74,8 @@ def test_help_texts(capsys: pytest.CaptureFixture[str]) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert "--kl-clip KL_CLIP K-FAC KL clip kappa: the preconditioned gradients V are" in text
     assert "(0 disables the clip)" in text and "omit the flag's value" not in text
-    assert "--optimizer {sgd,kfac,adamw,kfac-adamw,muon,soap,kfac-muon,kfac-eigen-adam}" in text
+    rows = "kfac-muon,kfac-eigen-adam,kfac-eigen-adam-muon,kfac-two-sided-muon"
+    assert f"--optimizer {{sgd,kfac,adamw,kfac-adamw,muon,soap,{rows}}}" in text
     assert "--eval-every EVAL_EVERY" in text and "--evals-per-epoch" in text
 
 

@@ -72,7 +72,9 @@ _HELP: dict[str, str] = {
     "heavyball package; the transformer recipe, K-FAC on the hidden Linear layers only, "
     "no KL clip: kfac-muon = one-sided K-FAC (A only, --damping relative to A's mean "
     "eigenvalue) then Muon, kfac-eigen-adam = Adam in K-FAC's eigen-bases, refreshed every "
-    f"--inv-update-steps; AdamW on the rest; unless given: {_recipe_flags()})",
+    "--inv-update-steps, kfac-eigen-adam-muon = that then Muon's orthogonalization, "
+    "kfac-two-sided-muon = two-sided K-FAC then Muon; AdamW on the rest; unless given: "
+    f"{_recipe_flags()})",
     "lr": "peak learning rate",
     "momentum": "SGD and Muon momentum, in [0, 1) (AdamW's beta1 is 0.9, SOAP keeps its "
     "default betas)",

@@ -146,8 +146,12 @@ def _restored(
     restored = []
     for block in blocks:
         entry: dict[str, Tensor | None] = {}
+        fresh = set(getattr(block, "moments", ()))  # a form's running state
         for key, shape in block.state_shapes().items():
-            value = saved[block.name][key]
+            if key not in saved[block.name] and key not in fresh:
+                raise ValueError(f"state_dict {prefix}layer {block.name!r} has no {key}")
+            # Saved by a form without this state (e.g. cholesky into eigen-adam): fresh.
+            value = saved[block.name].get(key)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(
                     f"state_dict {prefix}{key} of layer {block.name!r} has shape "
@@ -167,8 +171,13 @@ def load_blocks_state(
         Whether some factor came without its inverse (saved with ``inverses=False``): the
         inverses should be recomputed at the next step.
 
+    A form's running state (:attr:`~spdkfac.forms.InverseForm.moments`) the state dict
+    does not hold — saved with another form, e.g. ``"cholesky"`` into ``"eigen-adam"``
+    or without ``grafting="adam"`` — starts fresh; state of another form is ignored.
+
     Raises:
-        ValueError: When the sections, the mode, the block names or a shape differ.
+        ValueError: When the sections, the mode, the block names or a shape differ, or a
+            factor or inverse entry is missing.
     """
     restored = []
     for section in STATE_SECTIONS:

@@ -28,7 +28,13 @@ in ascending order each time, as SOAP keeps it). The moments are the block's sta
 by whoever preconditions (every rank, or the owner) and saved in state dicts. It is a full
 update direction (momentum and scale included): step it with a plain optimizer such as
 ``torch.optim.SGD`` without momentum (its ``weight_decay`` then is AdamW's decoupled
-decay), and without the KL clip. ``damping`` plays no part in it.
+decay), and without the KL clip. ``damping`` plays no part in it. Well posed on
+rank-deficient factors: the per-coordinate ``v`` divides only coordinates whose
+eigenvalues both factors resolve (above ``√d·ε·λ_max``, ``ε`` the epsilon of the coarsest
+stored precision: Weyl's bound on rounding); the others — a null space whose basis
+``eigh`` picks arbitrarily — are divided by ``√mean(v̂)`` of the layer, which no rotation
+changes, and share one stored ``v`` (their mean), so nothing of the arbitrary basis
+survives a refresh (see :class:`~spdkfac.forms.eigen.EigenAdam`).
 
 ``"one-sided"`` — only A's damped inverse, on the right: ``V = ∇ (A + γ·tr(A)/d·I)⁻¹``
 (the damping is relative to A's mean eigenvalue, so it does not depend on the
@@ -89,25 +95,30 @@ __all__ = [
     "inverse_form",
 ]
 
-_FORMS: dict[str, Callable[[torch.dtype | None], InverseForm]] = {
-    "cholesky": lambda dtype: DampedInverse("cholesky", dtype),
-    "eigen": lambda dtype: DampedInverse("eigen", dtype),
-    "eigen-basis": EigenBasis,
+#: Each method's form from the results' and the factors' storage dtypes.
+_FORMS: dict[str, Callable[[torch.dtype | None, torch.dtype | None], InverseForm]] = {
+    "cholesky": lambda dtype, _: DampedInverse("cholesky", dtype),
+    "eigen": lambda dtype, _: DampedInverse("eigen", dtype),
+    "eigen-basis": lambda dtype, _: EigenBasis(dtype),
     "eigen-adam": EigenAdam,
-    "one-sided": OneSided,
+    "one-sided": lambda dtype, _: OneSided(dtype),
 }
 
 
 def inverse_form(
-    method: str, dtype: torch.dtype | None = None, grafting: str | None = None
+    method: str,
+    dtype: torch.dtype | None = None,
+    grafting: str | None = None,
+    factor_dtype: torch.dtype | None = None,
 ) -> InverseForm:
     """The form of an ``inverse_method`` value, storing results in ``dtype``, grafted
-    (:class:`Grafted`) unless ``grafting`` is None.
+    (:class:`Grafted`) unless ``grafting`` is None; ``factor_dtype`` (the factors'
+    storage dtype, None: float32) sets ``"eigen-adam"``'s eigenvalue resolution.
 
     Raises:
         ValueError: An unknown method or grafting.
     """
     if method not in _FORMS:
         raise ValueError(f"inverse_method must be one of {FORM_METHODS}, got {method!r}")
-    form = _FORMS[method](dtype)
+    form = _FORMS[method](dtype, factor_dtype)
     return form if grafting is None else Grafted(form, grafting)

@@ -63,9 +63,13 @@ DATASETS: tuple[str, ...] = tuple(DATASET_KINDS)
 OPTIMIZERS: dict[str, str] = {
     "sgd": "sgd", "kfac": "sgd", "adamw": "adamw", "kfac-adamw": "adamw", "muon": "muon",
     "soap": "soap", "kfac-muon": "muon", "kfac-eigen-adam": "eigen-adam",
+    "kfac-eigen-adam-muon": "eigen-adam-muon", "kfac-two-sided-muon": "muon",
 }  # fmt: skip
 #: The ``--optimizer`` values whose base optimizer K-FAC preconditions.
-KFAC_OPTIMIZERS: frozenset[str] = frozenset({"kfac", "kfac-adamw", "kfac-muon", "kfac-eigen-adam"})
+KFAC_OPTIMIZERS: frozenset[str] = frozenset(
+    {"kfac", "kfac-adamw", "kfac-muon", "kfac-eigen-adam", "kfac-eigen-adam-muon",
+     "kfac-two-sided-muon"}
+)  # fmt: skip
 LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
 #: ``--decay-scope``: which parameters weight decay reaches (see
 #: :func:`spdkfac.training.optimizers.decay_groups`).
@@ -231,7 +235,7 @@ class TrainConfig:
             ("weight_rescaling", self.weight_rescaling),
             (
                 f"optimizer {self.optimizer!r}",
-                self.base_optimizer in ("muon", "soap", "eigen-adam"),
+                self.base_optimizer in ("muon", "soap", "eigen-adam", "eigen-adam-muon"),
             ),
         ]
         named = [name for name, given in refused if given]
@@ -290,7 +294,9 @@ class TrainConfig:
         """The optimizer that applies the update: ``"sgd"``, ``"adamw"``, ``"muon"`` (Muon on
         hidden weight matrices, AdamW on the rest), ``"soap"`` (heavyball's SOAP) or
         ``"eigen-adam"`` (the direction of K-FAC's ``eigen-adam`` form as it is on the
-        hidden layers, AdamW on the rest)."""
+        hidden layers, AdamW on the rest) or ``"eigen-adam-muon"`` (that direction
+        orthogonalized by Muon without momentum on the hidden weight matrices, as it is on
+        their biases, AdamW on the rest)."""
         return OPTIMIZERS[self.optimizer]
 
     def to_dict(self) -> dict[str, Any]:

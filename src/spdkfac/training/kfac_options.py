@@ -102,6 +102,14 @@ TRANSFORMER_RECIPES: Mapping[str, TransformerRecipe] = MappingProxyType(
         "kfac-eigen-adam": TransformerRecipe(
             "eigen-adam", MappingProxyType({"factor_update_steps": 10, "inv_update_steps": 10})
         ),
+        # Not yet tuned: eigen-adam's intervals, two-sided K-FAC with kfac-muon's and the
+        # library's absolute damping.
+        "kfac-eigen-adam-muon": TransformerRecipe(
+            "eigen-adam", MappingProxyType({"factor_update_steps": 10, "inv_update_steps": 10})
+        ),
+        "kfac-two-sided-muon": TransformerRecipe(
+            "cholesky", MappingProxyType({"factor_update_steps": 5, "inv_update_steps": 50})
+        ),
     }
 )
 

@@ -233,6 +233,31 @@ def _eigen_adam(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim
     return _with_adamw(parts, others, model, config, lr)
 
 
+def _eigen_adam_muon(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """``--optimizer kfac-eigen-adam-muon``'s base: the ``"eigen-adam"`` direction (Adam in
+    K-FAC's eigen-bases, momentum included) orthogonalized by Muon without momentum of its
+    own on the hidden weight matrices — SOAP-style preconditioning before Newton–Schulz,
+    the structure of modded-nanogpt's record — their biases taking the direction as it is
+    (SGD without momentum); AdamW on the rest."""
+    _torch_with_muon()
+    hidden = hidden_layers(model).values()
+    direct, others = _split(model, {id(p) for layer in hidden for p in layer.parameters()})
+    weights = {id(layer.weight) for layer in hidden}
+    matrices = [p for p in direct if id(p) in weights]
+    biases = [p for p in direct if id(p) not in weights]
+    parts: dict[str, torch.optim.Optimizer] = {}
+    if matrices:
+        parts["muon"] = torch.optim.Muon(
+            matrices, lr=lr, weight_decay=config.weight_decay, momentum=0.0,
+            nesterov=False, adjust_lr_fn="match_rms_adamw",
+        )  # fmt: skip
+    if biases:
+        parts["eigen-adam"] = torch.optim.SGD(
+            decay_groups(biases, model, config), lr=lr, weight_decay=config.weight_decay
+        )
+    return _with_adamw(parts, others, model, config, lr)
+
+
 def _soap(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     heavyball = _heavyball()
     parameters = list(model.parameters())
@@ -264,6 +289,7 @@ BASE_OPTIMIZERS: dict[str, OptimizerBuilder] = {
     "muon": _muon,
     "soap": _soap,
     "eigen-adam": _eigen_adam,
+    "eigen-adam-muon": _eigen_adam_muon,
 }
 
 

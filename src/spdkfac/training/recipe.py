@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 __all__ = ["ADAMW_BASES", "DEFAULT_BETA2", "check_recipe"]
 
 #: Base optimizers with an AdamW part (``beta2`` applies to it).
-ADAMW_BASES: frozenset[str] = frozenset({"adamw", "muon", "eigen-adam"})
+ADAMW_BASES: frozenset[str] = frozenset({"adamw", "muon", "eigen-adam", "eigen-adam-muon"})
 #: ``beta2``'s default: ``torch.optim.AdamW``'s.
 DEFAULT_BETA2 = 0.999
 
