@@ -149,9 +149,10 @@ def test_decay_scope_matrices_spares_norms_biases_and_embeddings(optimizer: str)
     for scope in ("all", "matrices"):
         torch.manual_seed(0)
         model = build_model("gpt", vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
-        config = TrainConfig(
-            model="gpt", dataset="text", optimizer=optimizer, weight_decay=0.1, decay_scope=scope
-        )
+        config = TrainConfig.from_dict(  # the optimizer's own defaults, as the CLI's
+            {"model": "gpt", "dataset": "text", "optimizer": optimizer, "weight_decay": 0.1,
+             "decay_scope": scope}
+        )  # fmt: skip
         _, built, _ = make_optimizers(config, model, steps_per_epoch=10)
         named = dict(model.named_parameters())  # the tied head comes once, as the embedding
         decays[scope] = {name: _decay_by_parameter(built)[id(p)] for name, p in named.items()}

@@ -22,20 +22,23 @@ from spdkfac.training.config import (
     check_model_name,
     load_config_file,
 )
-from spdkfac.training.kfac_options import TRANSFORMER_RECIPES
+from spdkfac.training.optimizer_table import OPTIMIZER_TABLE
 
 __all__ = ["add_parser", "run"]
 
 _UNSET: Any = object()
 
 
-def _recipe_flags() -> str:
-    """The transformer recipe's defaults as flags, e.g. ``kfac-muon --damping 0.654``."""
-    return "; ".join(
-        " ".join([name, *(f"--{key.replace('_', '-')} {value}" for key, value in
-                          recipe.defaults.items())])
-        for name, recipe in TRANSFORMER_RECIPES.items()
-    )  # fmt: skip
+def _default_help(name: str, default: object) -> str:
+    """``name``'s default as ``--help`` says it: the field's, then each ``--optimizer``
+    that runs another value (fixed ones marked so)."""
+    others = []
+    for optimizer, row in OPTIMIZER_TABLE.items():
+        value = row.defaults.get(name, default)
+        fixed = name in row.fixed
+        if value != default or fixed:
+            others.append(f"{optimizer} {value}{' only' if fixed else ''}")
+    return f"default: {default}" + (f"; {', '.join(others)}" if others else "")
 
 
 _HELP: dict[str, str] = {
@@ -71,12 +74,14 @@ _HELP: dict[str, str] = {
     "matrices with AdamW on embeddings, head, norms and biases, soap = SOAP from the "
     "heavyball package; the transformer recipe, K-FAC on the hidden Linear layers only, "
     "no KL clip: kfac-muon = one-sided K-FAC (A only, --damping relative to A's mean "
-    "eigenvalue) then Muon, kfac-eigen-adam = Adam in K-FAC's eigen-bases, refreshed every "
-    f"--inv-update-steps; AdamW on the rest; unless given: {_recipe_flags()})",
+    "eigenvalue; --inverse-method cholesky: two-sided) then Muon, kfac-eigen-adam = Adam "
+    "in K-FAC's eigen-bases, refreshed every --inv-update-steps; AdamW on the rest). Each "
+    "optimizer has its own defaults (listed with each option below; docs/cli.md tables "
+    "them); an option an optimizer fixes ('only') is refused at another value",
     "lr": "peak learning rate",
-    "momentum": "SGD and Muon momentum, in [0, 1) (AdamW's beta1 is 0.9, SOAP keeps its "
-    "default betas)",
-    "nesterov": "Nesterov momentum (SGD)",
+    "momentum": "SGD and Muon momentum, in [0, 1) (AdamW's and SOAP's beta1 is 0.9; "
+    "kfac-eigen-adam's form keeps its own)",
+    "nesterov": "Nesterov momentum (SGD and Muon)",
     "weight_decay": "L2 weight decay after preconditioning (AdamW: decoupled weight decay)",
     "decay_scope": "which parameters weight decay reaches, for every optimizer: all, or "
     "matrices (the weights of linear and convolution layers; norms, biases and embeddings, "
@@ -218,7 +223,7 @@ def add_parser(verbs: Any) -> None:
         # config file) from defaults.
         kwargs: dict[str, Any] = {
             "dest": name,
-            "help": f"{_HELP[name]} (default: {default})",
+            "help": f"{_HELP[name]} ({_default_help(name, default)})",
             "default": _UNSET,
         }
         if isinstance(default, bool):
