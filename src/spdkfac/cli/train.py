@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from spdkfac.forms import FORM_METHODS, GRAFTINGS
@@ -262,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     """Validate the options (exit 2 on bad ones, before any process group) and train."""
     config = _config_from_args(args)
     from spdkfac.data.text import TextCorpusError
-    from spdkfac.support.paths import output_dir_problem
+    from spdkfac.support.paths import make_output_dir, output_dir_problem
     from spdkfac.training.checkpoint import CheckpointError
     from spdkfac.training.optimizers import require_base
     from spdkfac.training.outdir import OutDirError
@@ -279,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
             steps_per_epoch = config.warmup_steps + 1
         build_schedules(config, steps_per_epoch=steps_per_epoch)
         problem = output_dir_problem(config.out_dir)
+        if problem is None and not config.overwrite:  # --overwrite moves it aside
+            problem = output_dir_problem(Path(config.out_dir) / "checkpoints")
         if problem is not None:
             raise ValueError(f"--out-dir: {problem}")
         require_base(config.base_optimizer)  # so does a missing optimizer package
@@ -290,6 +293,11 @@ def run(args: argparse.Namespace) -> int:
         if config.model.lower().startswith(TORCHVISION_PREFIX):
             # A missing torchvision or model name exits 2 here, before loading any data.
             torchvision_builder(config.model[len(TORCHVISION_PREFIX) :])
+        # Last, as it creates the directory (an empty one is no run's): a path no file
+        # system takes exits 2 here, not at the first write.
+        problem = make_output_dir(config.out_dir)
+        if problem is not None:
+            raise ValueError(f"--out-dir: {problem}")
     except ValueError as error:
         args._parser.error(str(error))
     try:
