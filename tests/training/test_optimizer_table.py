@@ -73,6 +73,8 @@ def test_every_optimizer_records_what_ran_and_reads_back(optimizer: str, tmp_pat
         (("--optimizer", "kfac-muon", "--kl-clip", "0.01"),
          "kl_clip 0.01 does not apply to optimizer 'kfac-muon' .*orthogonalization"),
         (("--optimizer", "kfac-muon", "--grafting", "adam"), "grafting 'adam' does not apply"),
+        (("--optimizer", "kfac-muon", "--normalization", "diagonal"),
+         "normalization 'diagonal' does not apply.*norms are AdamW's"),
         (("--optimizer", "kfac-eigen-adam", "--kl-clip", "0.001"),
          "kl_clip must be None with inverse_method='eigen-adam' \\(got 0.001\\).*Adam's own"),
         (("--optimizer", "kfac-eigen-adam", "--momentum", "0.9"),

@@ -135,8 +135,13 @@ _HELP: dict[str, str] = {
         "K-FAC curvature for BatchNorm scale and shift: off (plain gradient), diagonal "
         "(Osawa et al.'s diagonal Fisher) or unit-wise (each channel's 2x2 block)"
     ),
+    "normalization": (
+        "K-FAC curvature for the scale and shift of every normalization layer (BatchNorm, "
+        "LayerNorm, GroupNorm, RMSNorm): off (plain gradient), diagonal or unit-wise; "
+        "--batchnorm alone sets it for BatchNorm (both given: they must agree)"
+    ),
     "batchnorm_damping_multiplier": (
-        "rho_BN: BatchNorm blocks are damped with rho_BN * damping (Osawa et al.: > 1; "
+        "rho_BN: normalization blocks are damped with rho_BN * damping (Osawa et al.: > 1; "
         "their code uses 16)"
     ),
     "weight_rescaling": "rescale conv/linear weights to norm sqrt(2*d_out) when larger",
@@ -164,7 +169,9 @@ _HELP: dict[str, str] = {
     "soap)",
     "hsdp_replicas": "with --fsdp: HSDP, a 2-D mesh of N replicas x WORLD/N shards (N must "
     "divide the world size)",
-    "tensorboard": "write TensorBoard logs when the tensorboard package is installed",
+    "tensorboard": "--tensorboard: write TensorBoard logs (without the tensorboard package: "
+    "one notice, the run goes on); --no-tensorboard: none; by default: logs when the "
+    "package is installed, nothing said otherwise",
 }
 
 
@@ -188,9 +195,11 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     "grafting": {"type": str, "choices": GRAFTINGS},
     "comm_scheduler": {"type": str, "choices": COMM_SCHEDULERS},
     "batchnorm": {"type": str, "choices": BATCHNORM_CURVATURES},
+    "normalization": {"type": str, "choices": BATCHNORM_CURVATURES},
     "weight_sharing": {"type": str, "choices": WEIGHT_SHARINGS},
     "milestones": {"type": float, "nargs": "*"},
     "data": {"type": str},
+    "tensorboard": {"action": argparse.BooleanOptionalAction},
     **{name: {"type": int} for name in ("max_steps", "threads", "stale_switch_step",
                                          "train_limit", "eval_every", "evals_per_epoch",
                                          "lr_schedule_steps", "warmup_steps", "hsdp_replicas",

@@ -155,7 +155,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     target_accuracy: float = 0.92
-    tensorboard: bool = True
+    tensorboard: bool | None = None
     config: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -192,6 +192,8 @@ class TrainConfig:
             check_number(name, getattr(self, name), low_inclusive=True, high=1.0)
         if self.poly_end_epoch is not None:
             check_number("poly_end_epoch", self.poly_end_epoch)
+        if self.tensorboard is not None and not isinstance(self.tensorboard, bool):
+            raise ValueError(f"tensorboard must be true, false or unset, got {self.tensorboard!r}")
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov needs momentum > 0, got momentum=0")
         for milestone in self.milestones:

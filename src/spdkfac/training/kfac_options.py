@@ -42,7 +42,9 @@ _SAME_NAME = ("strategy", "inverse_method", "grafting", "comm_scheduler", "dampi
 
 #: The flat value standing for an option's None, as its flag says it (a TOML file cannot
 #: hold None): no KL clip, no BatchNorm curvature.
-_NONE_AS: Mapping[str, Any] = MappingProxyType({"kl_clip": 0.0, "batchnorm": "off"})
+_NONE_AS: Mapping[str, Any] = MappingProxyType(
+    {"kl_clip": 0.0, "batchnorm": "off", "normalization": "off"}
+)
 
 
 def _none_as(name: str) -> Callable[[KFACConfig], Any]:
@@ -56,6 +58,7 @@ _READERS: dict[str, Callable[[KFACConfig], Any]] = {
     "kl_clip": _none_as("kl_clip"),
     "factor_examples": lambda kfac: kfac.factor_options.examples,
     "batchnorm": _none_as("batchnorm"),
+    "normalization": _none_as("normalization"),
     "batchnorm_damping_multiplier": attrgetter("batchnorm_damping_multiplier"),
     "accumulation_steps": attrgetter("accumulation_steps"),
 }
@@ -65,8 +68,8 @@ KFAC_FLAGS: tuple[str, ...] = tuple(_READERS)
 
 #: The :class:`KFACConfig` fields those flags set.
 _FLAGGED_FIELDS = frozenset(
-    {*_SAME_NAME, "kl_clip", "factor_options", "batchnorm", "batchnorm_damping_multiplier",
-     "accumulation_steps"}
+    {*_SAME_NAME, "kl_clip", "factor_options", "batchnorm", "normalization",
+     "batchnorm_damping_multiplier", "accumulation_steps"}
 )  # fmt: skip
 
 #: Options a flag gives as a number; their schedules are :class:`KFACSchedules`.
@@ -104,8 +107,9 @@ def kfac_from_flat(values: Mapping[str, Any]) -> KFACConfig:
         if examples is not None:
             check_int("factor_examples", examples)
         options["factor_options"] = FactorOptions(examples=examples)
-    if "batchnorm" in options:
-        check_choice("batchnorm", options["batchnorm"], BATCHNORM_CURVATURES)
+    for name in ("batchnorm", "normalization"):
+        if name in options:
+            check_choice(name, options[name], BATCHNORM_CURVATURES)
     for name, stand_in in _NONE_AS.items():
         if name in options and options[name] == stand_in:
             options[name] = None

@@ -39,6 +39,8 @@ _MUON_SCALE = (
     "(the KL clip, grafting) would only reweight its momentum"
 )
 _EIGEN_ADAM_SCALE = "the eigen-adam form's direction carries Adam's own scale (no KL clip)"
+_NORMS_ARE_ADAMWS = "the recipe's K-FAC takes the hidden Linear layers only; norms are AdamW's"
+_RECIPE_NORMS = {"normalization": _NORMS_ARE_ADAMWS, "batchnorm": _NORMS_ARE_ADAMWS}
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ OPTIMIZER_TABLE: Mapping[str, OptimizerRow] = MappingProxyType(
             kfac=True,
             hidden_only=True,
             defaults=_KFAC_MUON,
-            fixed={"kl_clip": _MUON_SCALE, "grafting": _MUON_SCALE},
+            fixed={"kl_clip": _MUON_SCALE, "grafting": _MUON_SCALE, **_RECIPE_NORMS},
         ),
         "kfac-eigen-adam": _row(
             "eigen-adam",
@@ -142,6 +144,7 @@ OPTIMIZER_TABLE: Mapping[str, OptimizerRow] = MappingProxyType(
                 "inverse_method": "it is the eigen-adam form (kfac, kfac-adamw or kfac-muon "
                 "take another --inverse-method)",
                 "kl_clip": _EIGEN_ADAM_SCALE,
+                **_RECIPE_NORMS,
             },
         ),
     }
