@@ -64,6 +64,7 @@ def test_every_optimizer_records_what_ran_and_reads_back(optimizer: str, tmp_pat
     saved = load_config_file(path)
     # An optimizer without K-FAC records no K-FAC option (none of them ran).
     assert (set(KFAC_ONLY) & set(saved) != set()) == row.kfac
+    assert ("beta2" in saved) == (row.base in ("adamw", "muon", "eigen-adam"))  # AdamW parts
     assert TrainConfig.from_dict(saved) == config
 
 

@@ -3,8 +3,9 @@
 A row says which base optimizer applies the update, whether K-FAC preconditions it (and
 on which layers), the defaults the optimizer runs with where neither a flag nor a config
 file gives an option, and the options it fixes: an option a row fixes does not apply to
-that optimizer (or only one value of it does), so a value other than the row's is refused
-with one line saying why, and the run's ``config.toml`` records what ran. Adding an
+that optimizer (``unused``: left out of the run's ``config.toml``) or only one value of it
+does (``fixed``), so a value other than the row's is refused with one line saying why, and
+the run's ``config.toml`` records what ran. Adding an
 optimizer is adding a row (docs/cli.md, "Optimizers and their defaults", tables them).
 """
 
@@ -39,6 +40,11 @@ _MUON_SCALE = (
     "(the KL clip, grafting) would only reweight its momentum"
 )
 _EIGEN_ADAM_SCALE = "the eigen-adam form's direction carries Adam's own scale (no KL clip)"
+_NO_ADAMW = (
+    "it has no AdamW part (beta2 is AdamW's: adamw, kfac-adamw, and the AdamW part of "
+    "muon, kfac-muon and kfac-eigen-adam)"
+)
+_NO_SOAP = "it is not SOAP (precondition_frequency is SOAP's eigenbasis refresh interval)"
 _NORMS_ARE_ADAMWS = "the recipe's K-FAC takes the hidden Linear layers only; norms are AdamW's"
 _RECIPE_NORMS = {"normalization": _NORMS_ARE_ADAMWS, "batchnorm": _NORMS_ARE_ADAMWS}
 
@@ -54,8 +60,10 @@ class OptimizerRow:
         hidden_only: K-FAC takes only the transformer recipe's hidden layers
             (:func:`spdkfac.training.optimizers.hidden_layers`); AdamW the rest.
         defaults: Flat-form values beyond ``TrainConfig``'s own field defaults.
-        fixed: Flat option -> why only the row's value applies (with
-            :data:`KFAC_ONLY` for a row without K-FAC).
+        fixed: Flat option -> why only the row's value runs (recorded in ``config.toml``).
+        unused: Flat option -> why it means nothing to this optimizer (fixed at the field
+            default and left out of ``config.toml``; with :data:`KFAC_ONLY` for a row
+            without K-FAC).
     """
 
     base: str
@@ -63,17 +71,20 @@ class OptimizerRow:
     hidden_only: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
     fixed: Mapping[str, str] = field(default_factory=dict)
+    unused: Mapping[str, str] = field(default_factory=dict)
+
+    def all_unused(self) -> Mapping[str, str]:
+        """Every option that means nothing to this optimizer, with why."""
+        return self.unused if self.kfac else {**dict.fromkeys(KFAC_ONLY, _NO_KFAC), **self.unused}
 
     def fixes(self) -> Mapping[str, str]:
-        """Every option the row fixes, with why."""
-        if self.kfac:
-            return self.fixed
-        return {**dict.fromkeys(KFAC_ONLY, _NO_KFAC), **self.fixed}
+        """Every option the row fixes (used at one value, or unused), with why."""
+        return {**self.all_unused(), **self.fixed}
 
     def applies(self, name: str) -> bool:
-        """Whether flat option ``name`` means anything for this optimizer (the K-FAC
-        options do not without K-FAC: a run's ``config.toml`` leaves them out)."""
-        return self.kfac or name not in KFAC_ONLY
+        """Whether flat option ``name`` means anything for this optimizer (a run's
+        ``config.toml`` leaves out those that do not)."""
+        return name not in self.all_unused()
 
 
 def _row(
@@ -83,14 +94,16 @@ def _row(
     hidden_only: bool = False,
     defaults: Mapping[str, Any] | None = None,
     fixed: Mapping[str, str] | None = None,
+    unused: Mapping[str, str] | None = None,
 ) -> OptimizerRow:
-    """A row with read-only ``defaults`` and ``fixed``."""
+    """A row with read-only mappings."""
     return OptimizerRow(
         base,
         kfac=kfac,
         hidden_only=hidden_only,
         defaults=MappingProxyType(dict(defaults or {})),
         fixed=MappingProxyType(dict(fixed or {})),
+        unused=MappingProxyType(dict(unused or {})),
     )
 
 
@@ -98,6 +111,8 @@ def _row(
 #: ``momentum``: what an AdamW base runs.
 _ADAMW = {"lr": 0.001, "weight_decay": 0.01}
 _ADAMW_FIXED = {"momentum": _BETA1, "nesterov": _NO_NESTEROV}
+_NOT_SOAP = {"precondition_frequency": _NO_SOAP}
+_SGD_UNUSED = {"beta2": _NO_ADAMW, **_NOT_SOAP}
 _KFAC_MUON = {
     "lr": 0.0108, "momentum": 0.95, "nesterov": True, "weight_decay": 0.00371,
     "inverse_method": "one-sided", "kl_clip": 0.0, "damping": 0.654,
@@ -115,22 +130,32 @@ _KFAC_EIGEN_ADAM = {
 #: "Chosen configurations"; momentum 0.95 for Muon as its runs used).
 OPTIMIZER_TABLE: Mapping[str, OptimizerRow] = MappingProxyType(
     {
-        "sgd": _row("sgd"),
-        "kfac": _row("sgd", kfac=True),
-        "adamw": _row("adamw", defaults=_ADAMW, fixed=_ADAMW_FIXED),
-        "kfac-adamw": _row("adamw", kfac=True, defaults=_ADAMW, fixed=_ADAMW_FIXED),
+        "sgd": _row("sgd", unused=_SGD_UNUSED),
+        "kfac": _row("sgd", kfac=True, unused=_SGD_UNUSED),
+        "adamw": _row("adamw", defaults=_ADAMW, fixed=_ADAMW_FIXED, unused=_NOT_SOAP),
+        "kfac-adamw": _row(
+            "adamw", kfac=True, defaults=_ADAMW, fixed=_ADAMW_FIXED, unused=_NOT_SOAP
+        ),
         # torch.optim.Muon's defaults.
         "muon": _row(
-            "muon", defaults={"lr": 0.001, "momentum": 0.95, "nesterov": True, "weight_decay": 0.1}
+            "muon",
+            defaults={"lr": 0.001, "momentum": 0.95, "nesterov": True, "weight_decay": 0.1},
+            unused=_NOT_SOAP,
         ),
         # heavyball.SOAP's defaults (betas (0.9, 0.95)).
-        "soap": _row("soap", defaults={"lr": 0.003, "weight_decay": 0.01}, fixed=_ADAMW_FIXED),
+        "soap": _row(
+            "soap",
+            defaults={"lr": 0.003, "weight_decay": 0.01},
+            fixed=_ADAMW_FIXED,
+            unused={"beta2": "SOAP keeps heavyball's betas (0.9, 0.95)"},
+        ),
         "kfac-muon": _row(
             "muon",
             kfac=True,
             hidden_only=True,
             defaults=_KFAC_MUON,
             fixed={"kl_clip": _MUON_SCALE, "grafting": _MUON_SCALE, **_RECIPE_NORMS},
+            unused=_NOT_SOAP,
         ),
         "kfac-eigen-adam": _row(
             "eigen-adam",
@@ -146,6 +171,7 @@ OPTIMIZER_TABLE: Mapping[str, OptimizerRow] = MappingProxyType(
                 "kl_clip": _EIGEN_ADAM_SCALE,
                 **_RECIPE_NORMS,
             },
+            unused=_NOT_SOAP,
         ),
     }
 )
