@@ -117,3 +117,21 @@ def test_given_options_win_and_take_effect() -> None:
     # A value equal to what the optimizer runs is accepted (a config.toml fed back).
     assert _config("--optimizer", "adamw", "--momentum", "0.9").momentum == 0.9
     assert _config("--optimizer", "kfac", "--lr", "0.05").lr == 0.05
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [({"model": "mlp", "gpt_layers": 3}, "gpt_layers 3 applies to text datasets only"),
+     ({"model": "cnn", "seq_len": 64}, "seq_len 64 applies to text"),
+     ({"model": "gpt", "dataset": "text", "augment": False},
+      "augment False applies to image datasets only"),
+     ({"model": "gpt", "dataset": "gcide", "target_accuracy": 0.5},
+      "target_accuracy 0.5 applies to image")],
+)  # fmt: skip
+def test_an_option_of_the_other_kind_of_data_is_refused(
+    values: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_dict(values)
+    defaults = {key: value for key, value in values.items() if key in ("model", "dataset")}
+    TrainConfig.from_dict(defaults)  # at their defaults: fine (every recorded run has them)

@@ -75,6 +75,14 @@ RESUMABLE_CHANGES: frozenset[str] = frozenset(
 )  # fmt: skip
 
 
+#: Options that mean nothing to a run on the other kind of data (refused away from their
+#: defaults there): by the kind the run's dataset holds.
+_KIND_ONLY: dict[ModelKind, tuple[str, ...]] = {
+    "image": ("seq_len", "gpt_layers", "gpt_heads", "gpt_dim", "gpt_dropout"),
+    "text": ("image_size", "augment", "target_accuracy"),
+}
+
+
 def check_model_name(name: object) -> str:
     """``name`` if it names a built-in model or ``torchvision:NAME``; else ``ValueError``.
 
@@ -271,6 +279,14 @@ class TrainConfig:
                     raise ValueError(f"{name} is an image augmentation; it needs 0 for text")
             if self.train_limit is not None:
                 raise ValueError("train_limit applies to image datasets only")
+        defaults = _field_defaults()
+        for name in _KIND_ONLY[holds]:
+            if getattr(self, name) != defaults[name]:
+                other = "text" if holds == "image" else "image"
+                raise ValueError(
+                    f"{name} {getattr(self, name)!r} applies to {other} datasets only; "
+                    f"dataset {self.dataset!r} holds {holds}"
+                )
 
     @property
     def uses_kfac(self) -> bool:

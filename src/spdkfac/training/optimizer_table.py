@@ -5,8 +5,9 @@ on which layers), the defaults the optimizer runs with where neither a flag nor 
 file gives an option, and the options it fixes: an option a row fixes does not apply to
 that optimizer (``unused``: left out of the run's ``config.toml``) or only one value of it
 does (``fixed``), so a value other than the row's is refused with one line saying why, and
-the run's ``config.toml`` records what ran. Adding an
-optimizer is adding a row (docs/cli.md, "Optimizers and their defaults", tables them).
+the run's ``config.toml`` records what ran. Adding an optimizer is adding a row (and its
+builder, :data:`spdkfac.training.optimizers.BASE_OPTIMIZERS`, if its base is new);
+docs/cli.md, "Optimizers and their defaults", tables them.
 """
 
 from __future__ import annotations
