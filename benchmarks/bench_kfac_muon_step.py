@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from spdkfac.config import KFACConfig
 from spdkfac.models import build_model
 from spdkfac.training.config import TrainConfig
 from spdkfac.training.loop import cross_entropy_pass, train_step
@@ -23,21 +22,25 @@ from spdkfac.training.setup import make_optimizers
 
 __all__ = ["main"]
 
-ROWS = ("muon", "kfac-muon", "kfac-eigen-adam-muon", "kfac-two-sided-muon")
-#: The study's declared intervals: factors every 2 (eigen-Adam forms) or 5, bases every 10.
-INTERVALS = {
-    "kfac-muon": (5, 50),
-    "kfac-eigen-adam-muon": (2, 10),
-    "kfac-two-sided-muon": (5, 50),
-}
+#: Row -> ``spdkfac train`` options: the study's declared intervals, factors every 2
+#: (eigen-Adam forms) or 5, bases every 10 or inverses every 50.
+ROWS: dict[str, dict[str, object]] = {
+    "muon": {"optimizer": "muon"},
+    "kfac-muon": {"optimizer": "kfac-muon", "factor_update_steps": 5, "inv_update_steps": 50},
+    "kfac-eigen-adam-muon": {
+        "optimizer": "kfac-eigen-adam-muon", "factor_update_steps": 2, "inv_update_steps": 10,
+    },
+    "kfac-two-sided-muon": {
+        "optimizer": "kfac-muon", "inverse_method": "cholesky", "factor_update_steps": 5,
+        "inv_update_steps": 50,
+    },
+}  # fmt: skip
 
 
 def _mean_step(optimizer: str, steps: int, warmup: int) -> float:
     torch.manual_seed(0)
     model = build_model("gpt", vocab_size=256, block_size=128, n_layer=4, n_head=4, d_model=96)
-    factor, inverse = INTERVALS.get(optimizer, (1, 1))
-    kfac = KFACConfig(factor_update_steps=factor, inv_update_steps=inverse)
-    config = TrainConfig(model="gpt", dataset="text", optimizer=optimizer, lr=0.005, kfac=kfac)
+    config = TrainConfig.from_dict({"model": "gpt", "dataset": "text", "lr": 0.005, **ROWS[optimizer]})
     _, combined, precond = make_optimizers(config, model, steps_per_epoch=1000)
     generator = torch.Generator().manual_seed(1)
     start = 0.0
@@ -57,12 +60,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ratios: dict[str, list[float]] = {row: [] for row in ROWS[1:]}
+    ratios: dict[str, list[float]] = {row: [] for row in list(ROWS)[1:]}
     for round_ in range(args.rounds):
         times = {row: _mean_step(row, args.steps, args.warmup) for row in ROWS}
         line = ", ".join(f"{row} {times[row] * 1e3:.0f} ms" for row in ROWS)
         print(f"round {round_ + 1}: {line}", flush=True)
-        for row in ROWS[1:]:
+        for row in list(ROWS)[1:]:
             ratios[row].append(times[row] / times["muon"])
     for row, values in ratios.items():
         print(

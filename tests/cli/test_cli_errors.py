@@ -74,7 +74,7 @@ def test_help_texts(capsys: pytest.CaptureFixture[str]) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert "--kl-clip KL_CLIP K-FAC KL clip kappa: the preconditioned gradients V are" in text
     assert "(0 disables the clip)" in text and "omit the flag's value" not in text
-    rows = "kfac-muon,kfac-eigen-adam,kfac-eigen-adam-muon,kfac-two-sided-muon"
+    rows = "kfac-muon,kfac-eigen-adam,kfac-eigen-adam-muon"
     assert f"--optimizer {{sgd,kfac,adamw,kfac-adamw,muon,soap,{rows}}}" in text
     assert "--eval-every EVAL_EVERY" in text and "--evals-per-epoch" in text
 
@@ -133,3 +133,52 @@ def test_argparse_namespace_is_unchanged_by_the_table() -> None:
     args = build_parser().parse_args(["train", "--max-steps", "5", "--milestones", "1", "2"])
     assert isinstance(args, argparse.Namespace)
     assert args.max_steps == 5 and args.milestones == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["demo", "--epochs", "x"], ["simulate", "--workers", "x"], ["bench", "--iters", "-1"],
+     ["calibrate", "--repeats", "x"], ["train", "--epochs", "x"]],
+)  # fmt: skip
+def test_every_verb_says_a_bad_flag_in_one_line_after_a_one_line_usage(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2, lines  # the options were listed before the error (11-15 lines)
+    assert lines[0].startswith(f"usage: spdkfac {argv[0]} ") and "--help" in lines[0]
+    assert lines[1].startswith(f"spdkfac {argv[0]}: error: argument {argv[1]}")
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from spdkfac import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"spdkfac {__version__}"
+
+
+def test_spdkfacs_warnings_are_one_line_notes_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's GPT command: LayerNorm layers K-FAC does not take are said once, in
+    words, with the flag that acts on them (not Python's file, line and source line)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    flags = ["train", "--model", "gpt", "--dataset", "text", "--data", str(corpus),
+             "--optimizer", "kfac-adamw", "--batch-size", "4", "--max-steps", "1",
+             "--seq-len", "16", "--gpt-dim", "16", "--gpt-layers", "1",
+             "--threads", "1"]  # fmt: skip
+    assert main([*flags, "--out-dir", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if "not preconditioned" in line]
+    assert len(notes) == 1, err
+    assert notes[0].startswith("spdkfac train: note: these layers are not preconditioned")
+    assert "LayerNorm (3)" in notes[0] and "--normalization" in notes[0]
+    assert "UserWarning" not in err and "warnings.warn" not in err and ".py:" not in err
+    # The flag it names takes them: no note then.
+    assert main([*flags, "--out-dir", str(tmp_path / "b"), "--normalization", "unit-wise"]) == 0
+    assert "not preconditioned" not in capsys.readouterr().err

@@ -233,13 +233,16 @@ def test_every_verb_runs_with_every_optional_package_broken(
     assert "calib.png" not in out.replace(f"the plot {calib.with_suffix('.png')} skipped", "")
 
     train_out = tmp_path / "train"
-    # TensorBoard is on by default: its notice, then the run goes on.
+    # TensorBoard asked for: its notice, then the run goes on; by default nothing is said.
     train = ["train", *data, "--model", "mlp", "--epochs", "1", "--batch-size", "64"]
-    assert main([*train, "--out-dir", str(train_out)]) == 0
+    assert main([*train, "--out-dir", str(train_out), "--tensorboard"]) == 0
     captured = capsys.readouterr()
     notices = (captured.out + captured.err).count("TensorBoard logging skipped")
     assert notices == 1
     assert (train_out / "summary.json").is_file() and not (train_out / "tensorboard").exists()
+    assert main([*train, "--out-dir", str(tmp_path / "quiet")]) == 0
+    captured = capsys.readouterr()
+    assert "TensorBoard" not in captured.out + captured.err
 
     (tmp_path / "run.yaml").write_text("epochs: 1\n")
     with pytest.raises(SystemExit) as exit_info:

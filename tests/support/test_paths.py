@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spdkfac.support.paths import output_dir_problem, output_file_problem
+from spdkfac.support.paths import make_output_dir, output_dir_problem, output_file_problem
 
 
 def test_output_directories(tmp_path: Path) -> None:
@@ -47,4 +47,15 @@ def test_unwritable_directories(tmp_path: Path) -> None:
     assert (
         output_dir_problem(locked / "a")
         == f"cannot create {locked / 'a'}: {locked} is not writable"
+    )
+
+
+def test_make_output_dir_creates_it_or_says_why(tmp_path: Path) -> None:
+    assert make_output_dir(tmp_path / "a" / "b") is None and (tmp_path / "a" / "b").is_dir()
+    assert make_output_dir(tmp_path / "a" / "b") is None  # there already: left as it is
+    problem = make_output_dir(tmp_path / ("x" * 300))  # refused also to root
+    assert problem is not None and problem.startswith(f"cannot create {tmp_path}")
+    (tmp_path / "file").write_text("x")
+    assert make_output_dir(tmp_path / "file" / "run") == (
+        f"{tmp_path / 'file'} (in {tmp_path / 'file' / 'run'}) is not a directory"
     )

@@ -54,7 +54,10 @@ def test_beta2_reaches_every_adamw_part(optimizer: str) -> None:
         ({"beta2": -0.1}, "beta2 must be a finite number >= 0 and < 1, got -0.1"),
         ({"grad_clip": -1.0}, "grad_clip must be a finite number >= 0, got -1.0"),
         ({"grad_clip": math.inf}, "grad_clip must be a finite number >= 0, got inf"),
-        ({"optimizer": "sgd", "beta2": 0.95}, "beta2 0.95 applies to AdamW.*'sgd' has none"),
+        ({"optimizer": "sgd", "beta2": 0.95},
+         "beta2 0.95 does not apply to optimizer 'sgd': it has no AdamW part"),
+        ({"optimizer": "soap", "beta2": 0.99},
+         r"beta2 0.99 does not apply to optimizer 'soap': SOAP keeps heavyball's betas"),
         ({"optimizer": "kfac", "strategy": "osawa", "grad_clip": 1.0},
          "grad_clip 1.0 needs the whole averaged gradient.*'osawa'"),
         ({"optimizer": "kfac", "strategy": "auto", "grad_clip": 1.0},
@@ -149,9 +152,10 @@ def test_decay_scope_matrices_spares_norms_biases_and_embeddings(optimizer: str)
     for scope in ("all", "matrices"):
         torch.manual_seed(0)
         model = build_model("gpt", vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
-        config = TrainConfig(
-            model="gpt", dataset="text", optimizer=optimizer, weight_decay=0.1, decay_scope=scope
-        )
+        config = TrainConfig.from_dict(  # the optimizer's own defaults, as the CLI's
+            {"model": "gpt", "dataset": "text", "optimizer": optimizer, "weight_decay": 0.1,
+             "decay_scope": scope}
+        )  # fmt: skip
         _, built, _ = make_optimizers(config, model, steps_per_epoch=10)
         named = dict(model.named_parameters())  # the tied head comes once, as the embedding
         decays[scope] = {name: _decay_by_parameter(built)[id(p)] for name, p in named.items()}
@@ -178,7 +182,7 @@ def test_precondition_frequency_reaches_soap_and_only_soap() -> None:
         assert isinstance(built, heavyball.SOAP)
         # heavyball keeps the interval as its reciprocal.
         assert 1 / built.precond_schedule == pytest.approx(expected)
-    with pytest.raises(ValueError, match=r"precondition_frequency 10 applies to SOAP.*'muon'"):
+    with pytest.raises(ValueError, match=r"precondition_frequency 10 .*'muon': it is not SOAP"):
         TrainConfig(model="gpt", dataset="text", optimizer="muon", precondition_frequency=10)
     with pytest.raises(ValueError, match="decay_scope"):
         TrainConfig(decay_scope="biases")

@@ -1,5 +1,5 @@
 """``--optimizer kfac-eigen-adam-muon`` (eigen-Adam's direction, then Muon's
-orthogonalization without momentum) and ``kfac-two-sided-muon`` (two-sided K-FAC, then
+orthogonalization without momentum) and ``kfac-muon --inverse-method cholesky`` (two-sided K-FAC, then
 Muon): the parameter split, the update against an explicit float64 computation, a state
 dict across a refresh of the bases."""
 
@@ -33,9 +33,10 @@ def _gpt() -> nn.Module:
 
 
 def _setup(optimizer: str, model: nn.Module, **options: object):  # type: ignore[no-untyped-def]
-    config = TrainConfig(
-        model="gpt", dataset="text", optimizer=optimizer, lr=LR, weight_decay=0.0, **options
-    )  # type: ignore[arg-type]
+    config = TrainConfig.from_dict(
+        {"model": "gpt", "dataset": "text", "optimizer": optimizer, "lr": LR,
+         "weight_decay": 0.0, **options}
+    )  # fmt: skip
     _, combined, precond = make_optimizers(config, model, steps_per_epoch=5)
     assert precond is not None and isinstance(combined, CombinedOptimizer)
     return combined, precond
@@ -103,8 +104,7 @@ def _basis(factor: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _run(optimizer: str, model: nn.Module, start: int, steps: int, state=None):  # type: ignore[no-untyped-def]
-    kfac = KFACConfig(inv_update_steps=2, factor_update_steps=1)
-    combined, precond = _setup(optimizer, model, kfac=kfac)
+    combined, precond = _setup(optimizer, model, inv_update_steps=2, factor_update_steps=1)
     if state is not None:
         precond.load_state_dict(state[0])
         combined.load_state_dict(state[1])
@@ -139,8 +139,8 @@ def test_state_dict_across_a_refresh_continues_as_the_uninterrupted_run() -> Non
             torch.testing.assert_close(got, want, msg=optimizer)
 
 
-def test_two_sided_muon_takes_the_hidden_layers_two_sided() -> None:
+def test_kfac_muon_two_sided_takes_the_hidden_layers_two_sided() -> None:
     model = _gpt()
-    combined, precond = _setup("kfac-two-sided-muon", model)
+    combined, precond = _setup("kfac-muon", model, inverse_method="cholesky")
     assert precond.layers == HIDDEN and precond.config.inverse_method == "cholesky"
     assert precond.config.kl_clip is None and set(combined.parts) == {"muon", "adamw"}

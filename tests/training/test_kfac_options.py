@@ -31,7 +31,8 @@ FLAT_KEYS = {
     "damping_warmup_steps", "kl_clip", "factor_decay", "factor_update_steps",
     "inv_update_steps", "stale_switch_step", "stale_factor_update_steps",
     "stale_inv_update_steps", "stale_growth_steps", "weight_sharing", "factor_examples",
-    "batchnorm", "batchnorm_damping_multiplier", "weight_rescaling", "mixup_alpha",
+    "batchnorm", "normalization", "batchnorm_damping_multiplier", "weight_rescaling",
+    "mixup_alpha",
     "random_erasing", "label_smoothing", "augment", "seed", "threads", "flush_denormal",
     "collective_timeout", "fsdp", "hsdp_replicas", "out_dir", "checkpoint_every", "resume",
     "overwrite", "target_accuracy", "tensorboard", "config",
@@ -185,12 +186,23 @@ def test_no_kl_clip_survives_the_config_file(tmp_path: Path) -> None:
     assert TrainConfig.from_dict(load_config_file(path)) == config
 
 
+#: What the transformer recipe's runs recorded before ``config.toml`` held what ran: an
+#: option the optimizer ignored at the value it did not use. Such a file is refused,
+#: naming it, never read as a run that did not happen.
+_MISRECORDED = {"kfac-muon": "kl_clip 0.001", "kfac-eigen-adam": "momentum 0.9"}
+
+
 def test_every_recorded_run_config_still_loads() -> None:
     paths = sorted(REPORTS.glob("**/runs/*/config.toml"))
     if not paths:
         pytest.skip(f"no recorded run configurations under {REPORTS}")
     for path in paths:
         values = load_config_file(path)
+        misrecorded = _MISRECORDED.get(values["optimizer"])
+        if misrecorded is not None and values.get(misrecorded.split()[0]) != 0:
+            with pytest.raises(ValueError, match=f"{misrecorded} does not apply"):
+                TrainConfig.from_dict(values)
+            continue
         assert {key: TrainConfig.from_dict(values).to_dict()[key] for key in values} == values
 
 

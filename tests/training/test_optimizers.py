@@ -188,7 +188,9 @@ def test_transformer_recipe_takes_the_hidden_layers_with_its_form(
     part of the optimizer is Muon, or for eigen-adam a momentum-free SGD taking the
     form's direction as it is (weights and biases); AdamW the rest; one step trains."""
     model = _gpt()
-    config = TrainConfig(model="gpt", dataset="text", optimizer=optimizer, lr=0.003)
+    config = TrainConfig.from_dict(
+        {"model": "gpt", "dataset": "text", "optimizer": optimizer, "lr": 0.003}
+    )
     _, combined, precond = make_optimizers(config, model, steps_per_epoch=5)
     assert precond is not None and isinstance(combined, CombinedOptimizer)
     hidden = [f"blocks.{b}.{layer}" for b in range(2)

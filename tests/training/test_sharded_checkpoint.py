@@ -135,5 +135,44 @@ def test_unusable_checkpoints_are_refused(tmp_path: Path) -> None:
         run.restore(plain)
     save_sharded_checkpoint(tmp_path, LocalCommunicator(), run.payload(1))
     (tmp_path / "step-00000001" / ".metadata").unlink()
-    with pytest.raises(CheckpointError, match=r"step-00000001: does not fit .*rank 0"):
+    with pytest.raises(CheckpointError, match=r"1/\.metadata: checkpoint file is missing"):
+        run.restore(tmp_path)
+
+
+def _damage(path: Path, how: str) -> None:
+    """Flip a byte in the middle, cut the file to half, or empty it."""
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data))
+    else:
+        path.write_bytes(bytes(data[: len(data) // 2]) if how == "truncate" else b"")
+
+
+@pytest.mark.parametrize(
+    ("name", "how", "message"),
+    [("__0_0.distcp", "flip", "CRC-32 mismatch"), ("__0_0.distcp", "empty", "0 bytes, not"),
+     (".metadata", "truncate", "bytes, not the"), ("rank-0.pt", "flip", "CRC-32 mismatch"),
+     ("manifest.json", "truncate", "manifest.json: cannot be read")],
+)  # fmt: skip
+def test_a_damaged_file_is_refused_naming_it(
+    tmp_path: Path, name: str, how: str, message: str
+) -> None:
+    """Never loaded: the manifest's sizes and CRC-32s are checked before DCP reads a byte."""
+    run = _Run(0, steps=1)
+    save_sharded_checkpoint(tmp_path, LocalCommunicator(), run.payload(1))
+    _damage(tmp_path / "step-00000001" / name, how)
+    other = _Run(1, steps=1)
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=message) as info:
+        other.restore(tmp_path)
+    assert str(tmp_path / "step-00000001" / name) in str(info.value)
+    torch.testing.assert_close(other.model.state_dict(), before, rtol=0, atol=0)
+
+
+def test_a_checkpoint_without_its_manifest_is_refused(tmp_path: Path) -> None:
+    run = _Run(0, steps=1)
+    save_sharded_checkpoint(tmp_path, LocalCommunicator(), run.payload(1))
+    (tmp_path / "step-00000001" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"manifest.json: missing, so .* cannot be verified"):
         run.restore(tmp_path)

@@ -101,8 +101,9 @@ def test_optimizer_table_and_kind_checks() -> None:
 
 
 def test_options_added_later_count_as_their_default_when_resuming() -> None:
-    saved = TrainConfig().to_dict()
+    text = {"model": "gpt", "dataset": "text"}
+    saved = TrainConfig(**text).to_dict()
     for key in ("seq_len", "gpt_layers", "gpt_heads", "gpt_dim", "gpt_dropout"):
         del saved[key]
-    assert incompatible_fields(saved, TrainConfig()) == []
-    assert incompatible_fields(saved, TrainConfig(seq_len=64)) == ["seq_len"]
+    assert incompatible_fields(saved, TrainConfig(**text)) == []
+    assert incompatible_fields(saved, TrainConfig(**text, seq_len=64)) == ["seq_len"]

@@ -178,6 +178,30 @@ def test_an_out_dir_that_is_a_file_exits_2_in_one_line(tmp_path: Path) -> None:
         assert result.stderr.strip().splitlines()[-1].endswith("is not a directory")
 
 
+def test_output_paths_no_run_could_write_exit_2_in_one_line_before_training(
+    tiny_fashion_mnist: Path, tmp_path: Path
+) -> None:
+    """``--resume`` where ``OUT/checkpoints`` is a file (it used to train, then die at the
+    first save), and an ``--out-dir`` no file system takes (a name too long: refused also
+    to root, whose ``os.access`` says yes to everything; it used to raise a raw OSError)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoints").write_text("not a directory")
+    long_name = tmp_path / ("x" * 300) / "run"
+    data = ("--data", str(tiny_fashion_mnist), "--model", "mlp", "--no-tensorboard")
+    for flags, expected in (
+        (("--out-dir", str(out), "--resume"), f"{out / 'checkpoints'} exists and is not a "),
+        (("--out-dir", str(out)), f"{out / 'checkpoints'} exists and is not a directory"),
+        (("--out-dir", str(long_name)), "--out-dir: cannot create"),
+    ):
+        result = _spdkfac(*data, "--max-steps", "1", *flags)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 2 and expected in lines[1], lines
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]  # nothing trained
+
+
 def test_two_ranks_refuse_another_runs_out_dir_alike(
     tiny_fashion_mnist: Path, tmp_path: Path
 ) -> None:

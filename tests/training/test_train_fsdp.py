@@ -43,10 +43,10 @@ def test_two_rank_fsdp_trains_as_ddp(
 ) -> None:
     """Every step's mean loss as under DDP; the test accuracy too where no BatchNorm
     running statistics differ (DDP evaluates with rank 0's, FSDP2 with each rank's own)."""
+    kfac = ["--damping", "0.3", "--inv-update-steps", "2"] if optimizer == "kfac" else []
     common = ["--data", str(tiny_fashion_mnist), "--model", model, "--epochs", "1", *extra,
               "--batch-size", "16", "--max-steps", "4", "--eval-every", "1",
-              "--optimizer", optimizer, "--lr", "0.05", "--damping", "0.3",
-              "--inv-update-steps", "2", "--no-tensorboard"]  # fmt: skip
+              "--optimizer", optimizer, "--lr", "0.05", *kfac, "--no-tensorboard"]  # fmt: skip
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
     first = _ranks(2, *common, "--out-dir", str(ddp))
     assert first.returncode == 0, first.stderr[-3000:]

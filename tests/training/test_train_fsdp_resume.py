@@ -5,6 +5,7 @@ uninterrupted run at world 2; refused by a run without ``--fsdp``."""
 from __future__ import annotations
 
 import csv
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -132,3 +133,43 @@ def test_a_two_rank_checkpoint_resumes_on_one_process(
     assert state["kfac"]["layers"] and all(
         torch.isfinite(t).all() for t in _tensors(state["model"]).values()
     )
+
+
+def test_a_damaged_checkpoint_is_refused_alike_on_every_rank(
+    tiny_fashion_mnist: Path, tmp_path: Path
+) -> None:
+    """A flipped byte in a shard, a truncated shard, an emptied shard and a truncated
+    ``.metadata``: every rank exits 1 with the same line naming the file, before DCP reads
+    anything (no traceback, no hang)."""
+    common = ["--data", str(tiny_fashion_mnist), "--model", "mlp", "--epochs", "1",
+              "--batch-size", "16", "--no-tensorboard", "--fsdp"]  # fmt: skip
+    saved = tmp_path / "saved"
+    first = _ranks(*common, "--out-dir", str(saved), "--max-steps", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    step = saved / "checkpoints" / "step-00000001"
+    shards = sorted(path.name for path in step.glob("*.distcp"))
+    assert len(shards) == 2, sorted(path.name for path in step.iterdir())
+    cases = [(shards[1], "flip", "CRC-32 mismatch"),
+             (shards[0], "truncate", "bytes, not the"),
+             (shards[1], "empty", "0 bytes, not the"),
+             (".metadata", "truncate", "bytes, not the")]  # fmt: skip
+    for name, how, message in cases:
+        out = tmp_path / f"{how}-{name}"
+        shutil.copytree(saved, out)
+        target = out / "checkpoints" / "step-00000001" / name
+        data = target.read_bytes()
+        if how == "flip":
+            target.write_bytes(data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 1])
+                               + data[len(data) // 2 + 1 :])  # fmt: skip
+        else:
+            target.write_bytes(data[: len(data) // 2] if how == "truncate" else b"")
+        args = ["train", *common, "--out-dir", str(out), "--max-steps", "2", "--resume"]
+        results = run_distributed(
+            spdkfac_on_rank, 2, args, timeout=240, env={"OMP_NUM_THREADS": "1"}
+        )
+        lines = {err.strip().splitlines()[-1] for _, _, err in results}
+        assert [code for code, _, _ in results] == [1, 1], results
+        assert len(lines) == 1, lines
+        (line,) = lines
+        assert str(target) in line and message in line, line
+        assert all("Traceback" not in err for _, _, err in results)

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import TextIO
 
+from spdkfac import __version__
 from spdkfac.cli import bench, calibrate, demo, simulate, train
 
-__all__ = ["build_parser", "main"]
+__all__ = ["ONE_LINE_USAGE", "build_parser", "main"]
+
+#: Every verb's usage line: an error prints it and one line naming the problem (the
+#: options are listed by ``--help``, not before every error).
+ONE_LINE_USAGE = "%(prog)s [--OPTION VALUE ...] (--help lists the options)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,12 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spdkfac", description="Distributed K-FAC training for PyTorch."
     )
+    parser.add_argument("--version", action="version", version=f"spdkfac {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
-    demo.add_parser(verbs)
-    calibrate.add_parser(verbs)
-    bench.add_parser(verbs)
-    train.add_parser(verbs)
-    simulate.add_parser(verbs)
+    for verb in (demo, calibrate, bench, train, simulate):
+        verb.add_parser(verbs)
+    for sub in verbs.choices.values():
+        if sub.usage is None:
+            sub.usage = ONE_LINE_USAGE
     return parser
 
 
@@ -33,8 +42,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        result: int = args.run(args)
+        with _notes(args.verb):
+            result: int = args.run(args)
     except FileNotFoundError as error:
         print(f"spdkfac {args.verb}: error: {error}", file=sys.stderr)
         return 1
     return result
+
+
+@contextlib.contextmanager
+def _notes(verb: str) -> Iterator[None]:
+    """Within the block: spdkfac's own warnings (``"spdkfac: ..."``) are printed as one line
+    in words, ``spdkfac VERB: note: ...``, without Python's file, line and source line;
+    other warnings as Python prints them."""
+    shown = warnings.showwarning
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        text = str(message)
+        if text.startswith("spdkfac: "):
+            print(f"spdkfac {verb}: note: {text.removeprefix('spdkfac: ')}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown

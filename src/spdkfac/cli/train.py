@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from spdkfac.forms import FORM_METHODS, GRAFTINGS
@@ -22,20 +23,23 @@ from spdkfac.training.config import (
     check_model_name,
     load_config_file,
 )
-from spdkfac.training.kfac_options import TRANSFORMER_RECIPES
+from spdkfac.training.optimizer_table import OPTIMIZER_TABLE
 
 __all__ = ["add_parser", "run"]
 
 _UNSET: Any = object()
 
 
-def _recipe_flags() -> str:
-    """The transformer recipe's defaults as flags, e.g. ``kfac-muon --damping 0.654``."""
-    return "; ".join(
-        " ".join([name, *(f"--{key.replace('_', '-')} {value}" for key, value in
-                          recipe.defaults.items())])
-        for name, recipe in TRANSFORMER_RECIPES.items()
-    )  # fmt: skip
+def _default_help(name: str, default: object) -> str:
+    """``name``'s default as ``--help`` says it: the field's, then each ``--optimizer``
+    that runs another value (fixed ones marked so)."""
+    others = []
+    for optimizer, row in OPTIMIZER_TABLE.items():
+        value = row.defaults.get(name, default)
+        fixed = name in row.fixed
+        if value != default or fixed:
+            others.append(f"{optimizer} {value}{' only' if fixed else ''}")
+    return f"default: {default}" + (f"; {', '.join(others)}" if others else "")
 
 
 _HELP: dict[str, str] = {
@@ -71,14 +75,15 @@ _HELP: dict[str, str] = {
     "matrices with AdamW on embeddings, head, norms and biases, soap = SOAP from the "
     "heavyball package; the transformer recipe, K-FAC on the hidden Linear layers only, "
     "no KL clip: kfac-muon = one-sided K-FAC (A only, --damping relative to A's mean "
-    "eigenvalue) then Muon, kfac-eigen-adam = Adam in K-FAC's eigen-bases, refreshed every "
-    "--inv-update-steps, kfac-eigen-adam-muon = that then Muon's orthogonalization, "
-    "kfac-two-sided-muon = two-sided K-FAC then Muon; AdamW on the rest; unless given: "
-    f"{_recipe_flags()})",
+    "eigenvalue; --inverse-method cholesky: two-sided) then Muon, kfac-eigen-adam = Adam "
+    "in K-FAC's eigen-bases, refreshed every --inv-update-steps, kfac-eigen-adam-muon = "
+    "that direction then Muon's orthogonalization; AdamW on the rest). Each "
+    "optimizer has its own defaults (listed with each option below; docs/cli.md tables "
+    "them); an option an optimizer fixes ('only') is refused at another value",
     "lr": "peak learning rate",
-    "momentum": "SGD and Muon momentum, in [0, 1) (AdamW's beta1 is 0.9, SOAP keeps its "
-    "default betas)",
-    "nesterov": "Nesterov momentum (SGD)",
+    "momentum": "SGD and Muon momentum, in [0, 1) (AdamW's and SOAP's beta1 is 0.9; "
+    "kfac-eigen-adam's form keeps its own)",
+    "nesterov": "Nesterov momentum (SGD and Muon)",
     "weight_decay": "L2 weight decay after preconditioning (AdamW: decoupled weight decay)",
     "decay_scope": "which parameters weight decay reaches, for every optimizer: all, or "
     "matrices (the weights of linear and convolution layers; norms, biases and embeddings, "
@@ -131,8 +136,13 @@ _HELP: dict[str, str] = {
         "K-FAC curvature for BatchNorm scale and shift: off (plain gradient), diagonal "
         "(Osawa et al.'s diagonal Fisher) or unit-wise (each channel's 2x2 block)"
     ),
+    "normalization": (
+        "K-FAC curvature for the scale and shift of every normalization layer (BatchNorm, "
+        "LayerNorm, GroupNorm, RMSNorm): off (plain gradient), diagonal or unit-wise; "
+        "--batchnorm alone sets it for BatchNorm (both given: they must agree)"
+    ),
     "batchnorm_damping_multiplier": (
-        "rho_BN: BatchNorm blocks are damped with rho_BN * damping (Osawa et al.: > 1; "
+        "rho_BN: normalization blocks are damped with rho_BN * damping (Osawa et al.: > 1; "
         "their code uses 16)"
     ),
     "weight_rescaling": "rescale conv/linear weights to norm sqrt(2*d_out) when larger",
@@ -160,7 +170,9 @@ _HELP: dict[str, str] = {
     "soap)",
     "hsdp_replicas": "with --fsdp: HSDP, a 2-D mesh of N replicas x WORLD/N shards (N must "
     "divide the world size)",
-    "tensorboard": "write TensorBoard logs when the tensorboard package is installed",
+    "tensorboard": "--tensorboard: write TensorBoard logs (without the tensorboard package: "
+    "one notice, the run goes on); --no-tensorboard: none; by default: logs when the "
+    "package is installed, nothing said otherwise",
 }
 
 
@@ -184,9 +196,11 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     "grafting": {"type": str, "choices": GRAFTINGS},
     "comm_scheduler": {"type": str, "choices": COMM_SCHEDULERS},
     "batchnorm": {"type": str, "choices": BATCHNORM_CURVATURES},
+    "normalization": {"type": str, "choices": BATCHNORM_CURVATURES},
     "weight_sharing": {"type": str, "choices": WEIGHT_SHARINGS},
     "milestones": {"type": float, "nargs": "*"},
     "data": {"type": str},
+    "tensorboard": {"action": argparse.BooleanOptionalAction},
     **{name: {"type": int} for name in ("max_steps", "threads", "stale_switch_step",
                                          "train_limit", "eval_every", "evals_per_epoch",
                                          "lr_schedule_steps", "warmup_steps", "hsdp_replicas",
@@ -220,7 +234,7 @@ def add_parser(verbs: Any) -> None:
         # config file) from defaults.
         kwargs: dict[str, Any] = {
             "dest": name,
-            "help": f"{_HELP[name]} (default: {default})",
+            "help": f"{_HELP[name]} ({_default_help(name, default)})",
             "default": _UNSET,
         }
         if isinstance(default, bool):
@@ -259,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     """Validate the options (exit 2 on bad ones, before any process group) and train."""
     config = _config_from_args(args)
     from spdkfac.data.text import TextCorpusError
-    from spdkfac.support.paths import output_dir_problem
+    from spdkfac.support.paths import make_output_dir, output_dir_problem
     from spdkfac.training.checkpoint import CheckpointError
     from spdkfac.training.optimizers import require_base
     from spdkfac.training.outdir import OutDirError
@@ -276,6 +290,8 @@ def run(args: argparse.Namespace) -> int:
             steps_per_epoch = config.warmup_steps + 1
         build_schedules(config, steps_per_epoch=steps_per_epoch)
         problem = output_dir_problem(config.out_dir)
+        if problem is None and not config.overwrite:  # --overwrite moves it aside
+            problem = output_dir_problem(Path(config.out_dir) / "checkpoints")
         if problem is not None:
             raise ValueError(f"--out-dir: {problem}")
         require_base(config.base_optimizer)  # so does a missing optimizer package
@@ -287,6 +303,11 @@ def run(args: argparse.Namespace) -> int:
         if config.model.lower().startswith(TORCHVISION_PREFIX):
             # A missing torchvision or model name exits 2 here, before loading any data.
             torchvision_builder(config.model[len(TORCHVISION_PREFIX) :])
+        # Last, as it creates the directory (an empty one is no run's): a path no file
+        # system takes exits 2 here, not at the first write.
+        problem = make_output_dir(config.out_dir)
+        if problem is not None:
+            raise ValueError(f"--out-dir: {problem}")
     except ValueError as error:
         args._parser.error(str(error))
     try:

@@ -247,6 +247,11 @@ def _warn_frozen(frozen: list[str]) -> None:
     )
 
 
+#: Layer kinds the ``normalization`` option preconditions (by class name).
+_NORM_KINDS = frozenset({"LayerNorm", "GroupNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d",
+                         "BatchNorm3d", "SyncBatchNorm"})  # fmt: skip
+
+
 def _warn_unsupported(unsupported: Counter[str]) -> None:
     listed = ", ".join(f"{kind} ({count})" for kind, count in sorted(unsupported.items()))
     hint = (
@@ -254,6 +259,11 @@ def _warn_unsupported(unsupported: Counter[str]) -> None:
         if "MultiheadAttention" in unsupported
         else ""
     )
+    if any(kind in _NORM_KINDS for kind in unsupported):
+        hint += (
+            " (normalization layers: normalization='diagonal' or 'unit-wise', spdkfac train "
+            "--normalization, preconditions them)"
+        )
     warnings.warn(
         f"spdkfac: these layers are not preconditioned and keep their plain gradient: "
         f"{listed}{hint}",

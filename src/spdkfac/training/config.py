@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
-from pathlib import Path
+from functools import cache
 from typing import Any, get_args
 
 from spdkfac.config import KFACConfig
 from spdkfac.models import BUILTIN_MODEL_NAMES, TORCHVISION_PREFIX, ModelKind, model_kind
 from spdkfac.support.checks import check_choice, check_int, check_number, plain_scalar
-from spdkfac.support.optional import (
-    OptionalPackageError,
-    install_hint,
-    optional_import,
-    require,
-    unavailable_reason,
-)
+from spdkfac.training.config_files import load_config_file, toml_value
 from spdkfac.training.kfac_options import (
     BATCHNORM_CURVATURES,
     KFAC_FLAGS,
@@ -30,7 +24,11 @@ from spdkfac.training.kfac_options import (
     check_train_kfac,
     kfac_from_flat,
     kfac_to_flat,
-    recipe_defaults,
+)
+from spdkfac.training.optimizer_table import (
+    OPTIMIZER_TABLE,
+    check_optimizer_options,
+    optimizer_defaults,
 )
 from spdkfac.training.recipe import DEFAULT_BETA2, check_recipe
 from spdkfac.types import WeightSharing
@@ -59,17 +57,10 @@ DATASET_KINDS: dict[str, ModelKind] = {
 }  # fmt: skip
 DATASETS: tuple[str, ...] = tuple(DATASET_KINDS)
 #: ``--optimizer``: its base optimizer ("kfac" alone is SGD preconditioned by K-FAC); the
-#: builders are :data:`spdkfac.training.optimizers.BASE_OPTIMIZERS`.
-OPTIMIZERS: dict[str, str] = {
-    "sgd": "sgd", "kfac": "sgd", "adamw": "adamw", "kfac-adamw": "adamw", "muon": "muon",
-    "soap": "soap", "kfac-muon": "muon", "kfac-eigen-adam": "eigen-adam",
-    "kfac-eigen-adam-muon": "eigen-adam-muon", "kfac-two-sided-muon": "muon",
-}  # fmt: skip
+#: rows are :data:`~spdkfac.training.optimizer_table.OPTIMIZER_TABLE`'s.
+OPTIMIZERS: dict[str, str] = {name: row.base for name, row in OPTIMIZER_TABLE.items()}
 #: The ``--optimizer`` values whose base optimizer K-FAC preconditions.
-KFAC_OPTIMIZERS: frozenset[str] = frozenset(
-    {"kfac", "kfac-adamw", "kfac-muon", "kfac-eigen-adam", "kfac-eigen-adam-muon",
-     "kfac-two-sided-muon"}
-)  # fmt: skip
+KFAC_OPTIMIZERS = frozenset(name for name, row in OPTIMIZER_TABLE.items() if row.kfac)
 LR_SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine", "polynomial")
 #: ``--decay-scope``: which parameters weight decay reaches (see
 #: :func:`spdkfac.training.optimizers.decay_groups`).
@@ -82,6 +73,14 @@ RESUMABLE_CHANGES: frozenset[str] = frozenset(
      "flush_denormal", "tensorboard", "target_accuracy", "data", "config", "collective_timeout",
      "eval_every", "evals_per_epoch", "comm_scheduler"}
 )  # fmt: skip
+
+
+#: Options that mean nothing to a run on the other kind of data (refused away from their
+#: defaults there): by the kind the run's dataset holds.
+_KIND_ONLY: dict[ModelKind, tuple[str, ...]] = {
+    "image": ("seq_len", "gpt_layers", "gpt_heads", "gpt_dim", "gpt_dropout"),
+    "text": ("image_size", "augment", "target_accuracy"),
+}
 
 
 def check_model_name(name: object) -> str:
@@ -164,7 +163,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     target_accuracy: float = 0.92
-    tensorboard: bool = True
+    tensorboard: bool | None = None
     config: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -201,6 +200,8 @@ class TrainConfig:
             check_number(name, getattr(self, name), low_inclusive=True, high=1.0)
         if self.poly_end_epoch is not None:
             check_number("poly_end_epoch", self.poly_end_epoch)
+        if self.tensorboard is not None and not isinstance(self.tensorboard, bool):
+            raise ValueError(f"tensorboard must be true, false or unset, got {self.tensorboard!r}")
         if self.nesterov and self.momentum == 0:
             raise ValueError("nesterov needs momentum > 0, got momentum=0")
         for milestone in self.milestones:
@@ -221,6 +222,7 @@ class TrainConfig:
             )
         self._check_kinds()
         self._check_fsdp()
+        check_optimizer_options(self.optimizer, self.to_dict(), _field_defaults())
         check_recipe(self)
 
     def _check_fsdp(self) -> None:
@@ -277,6 +279,14 @@ class TrainConfig:
                     raise ValueError(f"{name} is an image augmentation; it needs 0 for text")
             if self.train_limit is not None:
                 raise ValueError("train_limit applies to image datasets only")
+        defaults = _field_defaults()
+        for name in _KIND_ONLY[holds]:
+            if getattr(self, name) != defaults[name]:
+                other = "text" if holds == "image" else "image"
+                raise ValueError(
+                    f"{name} {getattr(self, name)!r} applies to {other} datasets only; "
+                    f"dataset {self.dataset!r} holds {holds}"
+                )
 
     @property
     def uses_kfac(self) -> bool:
@@ -316,10 +326,9 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError`` naming them. A
-        missing option takes the default of the ``optimizer``'s recipe
-        (:func:`~spdkfac.training.kfac_options.recipe_defaults`: the transformer recipe's
-        damping and refresh intervals), else its own."""
-        values = {**recipe_defaults(values.get("optimizer", cls.optimizer)), **values}
+        missing option takes the ``optimizer``'s default
+        (:data:`~spdkfac.training.optimizer_table.OPTIMIZER_TABLE`), else the field's."""
+        values = {**optimizer_defaults(values.get("optimizer", cls.optimizer)), **values}
         own = {f.name for f in dataclasses.fields(cls)} - {"kfac", "kfac_schedules"}
         scheduled = {f.name for f in dataclasses.fields(KFACSchedules)}
         unknown = sorted(set(values) - own - scheduled - set(KFAC_FLAGS))
@@ -337,13 +346,29 @@ class TrainConfig:
         )
 
     def to_toml(self) -> str:
-        """The configuration as a TOML document (None values are omitted)."""
-        lines = []
+        """The configuration as a TOML document: what the run uses (None values, and the
+        K-FAC options of an optimizer without K-FAC, are left out)."""
+        row, lines = OPTIMIZER_TABLE[self.optimizer], []
         for key, value in self.to_dict().items():
-            if value is None or key == "config":
+            if value is None or key == "config" or not row.applies(key):
                 continue
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
         return "\n".join(lines) + "\n"
+
+
+@cache
+def _field_defaults() -> dict[str, Any]:
+    """:class:`TrainConfig`'s field defaults in the flat form (without building one)."""
+    values: dict[str, Any] = {}
+    for spec in fields(TrainConfig):
+        if spec.name == "kfac":
+            values.update(kfac_to_flat(KFACConfig()))
+        elif spec.name == "kfac_schedules":
+            values.update(dataclasses.asdict(KFACSchedules()))
+        else:
+            values[spec.name] = spec.default
+    values["milestones"] = list(values["milestones"])
+    return values
 
 
 def incompatible_fields(saved: dict[str, Any], current: TrainConfig) -> list[str]:
@@ -358,54 +383,3 @@ def incompatible_fields(saved: dict[str, Any], current: TrainConfig) -> list[str
         for key in set(saved) | set(now)
         if key not in RESUMABLE_CHANGES and saved.get(key, defaults.get(key)) != now.get(key)
     )
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file of training options.
-
-    Raises:
-        FileNotFoundError: The file does not exist (the message names it).
-        ValueError: It cannot be parsed, or YAML is asked for without PyYAML installed.
-    """
-    source = Path(path)
-    if not source.is_file():
-        raise FileNotFoundError(f"config file {source} does not exist")
-    text = source.read_text()
-    try:
-        if source.suffix in (".yaml", ".yml"):
-            try:
-                yaml = require("yaml", "a YAML config file")
-            except OptionalPackageError as error:
-                raise ValueError(f"{source}: {error}") from None
-            loaded = yaml.safe_load(text) or {}
-        else:
-            loaded = _parse_toml(text)
-    except ValueError:
-        raise
-    except Exception as error:
-        raise ValueError(f"{source}: cannot be parsed ({error})") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(f"{source}: expected a table of options, got {type(loaded).__name__}")
-    return {str(key).replace("-", "_"): value for key, value in loaded.items()}
-
-
-def _parse_toml(text: str) -> Any:
-    # tomllib is in the standard library from Python 3.11; tomli is its 3.10 backport.
-    for name in ("tomllib", "tomli"):
-        module = optional_import(name)
-        if module is not None:
-            return module.loads(text)
-    raise ValueError(
-        f"TOML configs on Python 3.10 need tomli ({unavailable_reason('tomli')}): "
-        f"{install_hint('tomli')}"
-    )
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -18,7 +18,6 @@ from typing import Any
 from torch import nn
 
 from spdkfac.config import KFACConfig
-from spdkfac.forms import FormMethod
 from spdkfac.layers import FactorOptions
 from spdkfac.layers.batchnorm import BATCHNORM_MODES
 from spdkfac.schedules import damping_warmup, stale_interval
@@ -27,14 +26,11 @@ from spdkfac.support.checks import check_choice, check_int, check_number
 __all__ = [
     "BATCHNORM_CURVATURES",
     "KFAC_FLAGS",
-    "TRANSFORMER_RECIPES",
     "KFACSchedules",
-    "TransformerRecipe",
     "check_train_kfac",
+    "hidden_layers_only",
     "kfac_from_flat",
     "kfac_to_flat",
-    "recipe_defaults",
-    "transformer_recipe",
 ]
 
 #: ``--batchnorm`` values: "off" (plain gradient) or a mode of ``KFACPreconditioner``.
@@ -46,7 +42,9 @@ _SAME_NAME = ("strategy", "inverse_method", "grafting", "comm_scheduler", "dampi
 
 #: The flat value standing for an option's None, as its flag says it (a TOML file cannot
 #: hold None): no KL clip, no BatchNorm curvature.
-_NONE_AS: Mapping[str, Any] = MappingProxyType({"kl_clip": 0.0, "batchnorm": "off"})
+_NONE_AS: Mapping[str, Any] = MappingProxyType(
+    {"kl_clip": 0.0, "batchnorm": "off", "normalization": "off"}
+)
 
 
 def _none_as(name: str) -> Callable[[KFACConfig], Any]:
@@ -60,6 +58,7 @@ _READERS: dict[str, Callable[[KFACConfig], Any]] = {
     "kl_clip": _none_as("kl_clip"),
     "factor_examples": lambda kfac: kfac.factor_options.examples,
     "batchnorm": _none_as("batchnorm"),
+    "normalization": _none_as("normalization"),
     "batchnorm_damping_multiplier": attrgetter("batchnorm_damping_multiplier"),
     "accumulation_steps": attrgetter("accumulation_steps"),
 }
@@ -69,68 +68,18 @@ KFAC_FLAGS: tuple[str, ...] = tuple(_READERS)
 
 #: The :class:`KFACConfig` fields those flags set.
 _FLAGGED_FIELDS = frozenset(
-    {*_SAME_NAME, "kl_clip", "factor_options", "batchnorm", "batchnorm_damping_multiplier",
-     "accumulation_steps"}
+    {*_SAME_NAME, "kl_clip", "factor_options", "batchnorm", "normalization",
+     "batchnorm_damping_multiplier", "accumulation_steps"}
 )  # fmt: skip
 
 #: Options a flag gives as a number; their schedules are :class:`KFACSchedules`.
 _PLAIN_NUMBERS = ("damping", "kl_clip", "factor_decay", "factor_update_steps", "inv_update_steps")
 
 
-@dataclass(frozen=True)
-class TransformerRecipe:
-    """One ``--optimizer`` of the transformer recipe: the form K-FAC takes the hidden
-    layers with (every other layer is left to AdamW, and the KL clip is off: Muon's
-    orthogonalization and Adam's moments set the scale), and the flat-form defaults the
-    recipe runs with where neither a flag nor a config file gives the option."""
-
-    form: FormMethod
-    defaults: Mapping[str, Any]
-
-
-#: ``--optimizer`` values of the transformer recipe. Their defaults are the configurations
-#: the time-to-result study's text revision 3 chose for them (its report, "Chosen
-#: configurations"): kfac-muon at relative damping 0.654 with factors every 5 steps and
-#: inverses every 50 (its runner-up also refreshed inverses every 50), kfac-eigen-adam with
-#: factors and eigenbases every 10 steps.
-TRANSFORMER_RECIPES: Mapping[str, TransformerRecipe] = MappingProxyType(
-    {
-        "kfac-muon": TransformerRecipe(
-            "one-sided",
-            MappingProxyType({"damping": 0.654, "factor_update_steps": 5, "inv_update_steps": 50}),
-        ),
-        "kfac-eigen-adam": TransformerRecipe(
-            "eigen-adam", MappingProxyType({"factor_update_steps": 10, "inv_update_steps": 10})
-        ),
-        # Not yet tuned: eigen-adam's intervals, two-sided K-FAC with kfac-muon's and the
-        # library's absolute damping.
-        "kfac-eigen-adam-muon": TransformerRecipe(
-            "eigen-adam", MappingProxyType({"factor_update_steps": 10, "inv_update_steps": 10})
-        ),
-        "kfac-two-sided-muon": TransformerRecipe(
-            "cholesky", MappingProxyType({"factor_update_steps": 5, "inv_update_steps": 50})
-        ),
-    }
-)
-
-
-def recipe_defaults(optimizer: object) -> dict[str, Any]:
-    """The flat-form defaults of ``--optimizer`` ``optimizer`` beyond the options' own
-    (empty but for the transformer recipe)."""
-    recipe = TRANSFORMER_RECIPES.get(optimizer) if isinstance(optimizer, str) else None
-    return {} if recipe is None else dict(recipe.defaults)
-
-
-def transformer_recipe(
-    kfac: KFACConfig, optimizer: str, hidden: set[str], model: nn.Module
-) -> KFACConfig:
-    """``kfac`` as ``--optimizer`` ``optimizer`` runs it: for the transformer recipe
-    (:data:`TRANSFORMER_RECIPES`), its form on the ``hidden`` layers of ``model`` (names
-    in the user's module) only, without the KL clip; any other optimizer's ``kfac`` as it
-    is."""
-    recipe = TRANSFORMER_RECIPES.get(optimizer)
-    if recipe is None:
-        return kfac
+def hidden_layers_only(kfac: KFACConfig, hidden: set[str], model: nn.Module) -> KFACConfig:
+    """``kfac`` on the ``hidden`` layers of ``model`` (names in the user's module) only,
+    as the transformer recipe runs it (``--optimizer kfac-muon``, ``kfac-eigen-adam``):
+    every other layer with a weight is skipped (AdamW's)."""
     skipped = tuple(
         name
         for name, module in model.named_modules()
@@ -138,7 +87,7 @@ def transformer_recipe(
         and name not in hidden
         and isinstance(module.__dict__.get("_parameters", {}).get("weight"), nn.Parameter)
     )
-    return replace(kfac, inverse_method=recipe.form, kl_clip=None, skip_layers=skipped)
+    return replace(kfac, skip_layers=skipped)
 
 
 def kfac_to_flat(kfac: KFACConfig) -> dict[str, Any]:
@@ -158,8 +107,9 @@ def kfac_from_flat(values: Mapping[str, Any]) -> KFACConfig:
         if examples is not None:
             check_int("factor_examples", examples)
         options["factor_options"] = FactorOptions(examples=examples)
-    if "batchnorm" in options:
-        check_choice("batchnorm", options["batchnorm"], BATCHNORM_CURVATURES)
+    for name in ("batchnorm", "normalization"):
+        if name in options:
+            check_choice(name, options[name], BATCHNORM_CURVATURES)
     for name, stand_in in _NONE_AS.items():
         if name in options and options[name] == stand_in:
             options[name] = None

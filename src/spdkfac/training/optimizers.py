@@ -212,7 +212,7 @@ def _muon(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optim
             lr=lr,
             weight_decay=config.weight_decay,
             momentum=config.momentum,
-            nesterov=True,
+            nesterov=config.nesterov,
             adjust_lr_fn="match_rms_adamw",
         )
     return _with_adamw(parts, others, model, config, lr)

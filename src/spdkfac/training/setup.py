@@ -19,8 +19,9 @@ from spdkfac.data.cifar10 import load_cifar10
 from spdkfac.data.imagefolder import load_image_folder
 from spdkfac.preconditioner import KFACPreconditioner
 from spdkfac.training.config import TrainConfig
-from spdkfac.training.kfac_options import transformer_recipe
+from spdkfac.training.kfac_options import hidden_layers_only
 from spdkfac.training.lr_schedules import cosine_lr, polynomial_lr, step_lr
+from spdkfac.training.optimizer_table import OPTIMIZER_TABLE
 from spdkfac.training.optimizers import BASE_OPTIMIZERS, build_base_optimizer, hidden_layers
 
 __all__ = [
@@ -225,7 +226,8 @@ def make_optimizers(
     if not config.uses_kfac:
         return lr, optimizer, None
     inner = model.module if isinstance(model, DistributedDataParallel) else model
-    kfac = transformer_recipe(kfac, config.optimizer, set(hidden_layers(inner)), inner)
+    if OPTIMIZER_TABLE[config.optimizer].hidden_only:
+        kfac = hidden_layers_only(kfac, set(hidden_layers(inner)), inner)
     # The KL clip reads each layer's learning rate from the optimizer: the trainer sets
     # the schedule's lr(step) on it before every step, so the clip sees that rate.
     return lr, optimizer, KFACPreconditioner(model, config=kfac, optimizer=optimizer)

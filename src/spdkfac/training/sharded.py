@@ -7,13 +7,16 @@ Layout under the checkpoint directory::
     step-00001200/.metadata, __R_0.distcp   DCP: "model", "optimizer", "kfac"
     step-00001200/common.pt                 step, metrics, config ("layout": "dcp")
     step-00001200/rank-R.pt                 per-rank state and the rank's own buffers
+    step-00001200/manifest.json             every file's size and CRC-32, verified on load
     latest                                  "step-00001200", written last
 
 Every rank writes into the hidden ``.step-00001200.partial``; once every rank's part is on
-disk (a barrier) rank 0 renames it to ``step-00001200``, then moves ``latest`` and prunes,
-so a process killed at any moment leaves the previous checkpoint loadable and never a torn
-one under a step name. Every rank issues the same collectives in the same order: barrier,
-DCP's save, barrier, barrier.
+disk (a barrier) rank 0 writes the manifest, renames the directory to ``step-00001200``,
+then moves ``latest`` and prunes, so a process killed at any moment leaves the previous
+checkpoint loadable and never a torn one under a step name. Every rank issues the same
+collectives in the same order: barrier, DCP's save, barrier, barrier. On load each rank
+verifies its share of the manifest's files before DCP reads any (a damaged file is one
+error naming it, on every rank).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from spdkfac.training.checkpoint import (
     step_directory,
 )
 from spdkfac.training.config import TrainConfig
+from spdkfac.training.manifest import verify_manifest, write_manifest
 from spdkfac.training.persistence import (
     KEEP_CHECKPOINTS,
     CheckpointPayload,
@@ -94,8 +98,9 @@ def save_sharded_checkpoint(root: Path, comm: Communicator, payload: CheckpointP
         )
     rank_state = {**payload.rank_state, "buffers": _own_buffers(payload.module)}
     atomic_torch_save(partial / f"rank-{comm.rank}.pt", {"format": CHECKPOINT_FORMAT, **rank_state})
-    barrier(comm)  # every rank's part is on disk before the rename
+    barrier(comm)  # every rank's part is on disk before the manifest and the rename
     if comm.rank == 0:
+        write_manifest(partial)
         _move_into_place(root, partial, directory)
         publish_latest(root, payload.step)
         prune_checkpoints(root, keep=KEEP_CHECKPOINTS)
@@ -156,9 +161,12 @@ def restore_sharded_checkpoint(
 
 
 def _read(directory: Path, comm: Communicator, config: TrainConfig) -> Restored:
-    common, restored = read_common(directory, comm, config)
+    common, restored = read_common(directory, comm, config)  # zip archives: own CRC-32s
     if common.get("layout") != _LAYOUT:
         raise CheckpointError(f"{directory}: not a checkpoint of a sharded (--fsdp) run")
+    # Before DCP reads a byte: each rank checks its share of the files, and the ranks
+    # agree (read_latest), so a damaged file is one error on every rank.
+    verify_manifest(directory, part=comm.rank, parts=comm.world_size)
     return restored
 
 

@@ -229,8 +229,9 @@ def _train(config: TrainConfig, log: Callable[[str], None]) -> TrainSummary:
 
 def _loop(run: _Run) -> TrainSummary:
     config, comm = run.config, run.comm
-    if config.tensorboard and comm.rank == 0:
-        run.board = open_tensorboard(run.out_dir, run.log)
+    if config.tensorboard is not False and comm.rank == 0:
+        # Asked for (--tensorboard): a missing package is said; by default it is not.
+        run.board = open_tensorboard(run.out_dir, run.log if config.tensorboard else _quiet)
     total_steps = config.epochs * run.steps_per_epoch
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
@@ -268,6 +269,10 @@ def _loop(run: _Run) -> TrainSummary:
     if run.board is not None:
         run.board.close()
     return summary
+
+
+def _quiet(_: str) -> None:
+    """A log that says nothing."""
 
 
 def _epoch(run: _Run, schedule: EvalSchedule) -> None:
