@@ -111,7 +111,7 @@ def test_state_dict_round_trip_into_fresh_instance(keyword: bool) -> None:
 def test_bad_state_dict_refused() -> None:
     model = _model()
     opt = KFACOptimizer(model, _base(model), **OPTIONS)
-    with pytest.raises(ValueError, match="'optimizer' and 'preconditioner'"):
+    with pytest.raises(ValueError, match="'state' and 'param_groups'"):
         opt.load_state_dict({"state": {}})
 
 
@@ -235,3 +235,24 @@ def test_base_optimizer_missing_a_registered_bias() -> None:
     held = [p for name, p in model.named_parameters() if name != "2.bias"]
     with pytest.raises(ValueError, match=r"registered layers \['2'\]"):
         KFACOptimizer(model, torch.optim.SGD(held, lr=0.1), **OPTIONS)
+
+
+def test_dcp_optimizer_state_dict_round_trip() -> None:
+    """DCP's functions carry the base optimizer's state; the preconditioner's travels
+    beside it as ``dcp_state_dict()``."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, _ = _by_hand(6)
+    first = _wrapped(3)
+    saved = get_optimizer_state_dict(first.preconditioner._model, first)
+    kfac = first.preconditioner.dcp_state_dict()
+    fresh_model = _model(seed=1)
+    fresh_model.load_state_dict(first.preconditioner._model.state_dict())
+    fresh = KFACOptimizer(fresh_model, _base(fresh_model), **OPTIONS)
+    set_optimizer_state_dict(fresh_model, fresh, saved)
+    fresh.preconditioner.load_dcp_state_dict(kfac)
+    _wrapped(3, start=3, opt=fresh)
+    _close(model, fresh_model)

@@ -144,27 +144,28 @@ class KFACOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group({**param_group, "params": params})
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"optimizer": base.state_dict(), "preconditioner": preconditioner.state_dict()}``."""
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "preconditioner": self.preconditioner.state_dict(),
-        }
+        """The base optimizer's state dict (``state``, ``param_groups``) with the
+        preconditioner's nested under ``"preconditioner"``."""
+        return {**self.optimizer.state_dict(), "preconditioner": self.preconditioner.state_dict()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Inverse of :meth:`state_dict` (also by keyword, as DCP calls it).
 
+        ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` keeps only
+        ``state`` and ``param_groups``: without ``"preconditioner"`` the preconditioner
+        is left as it is (save its ``dcp_state_dict()`` beside the optimizer's).
+
         Raises:
-            ValueError: ``state_dict`` is not one :meth:`state_dict` returned, or the
-                preconditioner's part does not match its layers.
+            ValueError: ``state_dict`` lacks the base optimizer's ``state`` or
+                ``param_groups``, or its preconditioner part does not match the layers.
         """
-        if not isinstance(state_dict, Mapping) or set(state_dict) != {
-            "optimizer",
-            "preconditioner",
-        }:
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             keys = sorted(state_dict) if isinstance(state_dict, Mapping) else state_dict
-            raise ValueError(f"state_dict must hold 'optimizer' and 'preconditioner', got {keys}")
-        self.preconditioner.load_state_dict(state_dict["preconditioner"])
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+            raise ValueError(f"state_dict must hold 'state' and 'param_groups', got {keys}")
+        base = {k: v for k, v in state_dict.items() if k != "preconditioner"}
+        if "preconditioner" in state_dict:
+            self.preconditioner.load_state_dict(state_dict["preconditioner"])
+        self.optimizer.load_state_dict(base)
 
     def __repr__(self) -> str:
         return f"KFACOptimizer({self.preconditioner!r}, {self.optimizer!r})"
