@@ -256,3 +256,52 @@ def test_dcp_optimizer_state_dict_round_trip() -> None:
     fresh.preconditioner.load_dcp_state_dict(kfac)
     _wrapped(3, start=3, opt=fresh)
     _close(model, fresh_model)
+
+
+def _tiny_transformer() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(10, 8),
+        nn.Linear(8, 16),
+        nn.GELU(),
+        nn.Linear(16, 8),
+        nn.LayerNorm(8),
+        nn.Linear(8, 10),
+    ).double()
+
+
+@pytest.mark.parametrize("recipe", ["kfac-muon", "kfac-eigen-adam"])
+def test_transformer_recipe_in_one_call_equals_cli_parts(recipe: str) -> None:
+    from dataclasses import replace
+
+    from spdkfac import KFACConfig
+    from spdkfac.training.config import OPTIMIZERS, TrainConfig
+    from spdkfac.training.kfac_options import recipe_defaults, transformer_recipe
+    from spdkfac.training.optimizers import BASE_OPTIMIZERS, hidden_layers
+
+    ref = _tiny_transformer()
+    train = TrainConfig(optimizer=recipe, lr=0.01, weight_decay=0.1, momentum=0.95)
+    ref_opt = BASE_OPTIMIZERS[OPTIMIZERS[recipe]](train, ref, 0.01)
+    kfac = transformer_recipe(
+        KFACConfig(**recipe_defaults(recipe)), recipe, set(hidden_layers(ref)), ref
+    )
+    ref_pre = KFACPreconditioner(ref, config=replace(kfac, inv_update_steps=2))
+    model = _tiny_transformer()
+    opt = KFACOptimizer.transformer(model, recipe, lr=0.01, weight_decay=0.1, inv_update_steps=2)
+    assert opt.preconditioner.layers == ["1", "3"]
+    assert opt.preconditioner.config == ref_pre.config
+    for step in range(3):
+        tokens = torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(step))
+        for m, o, pre in ((ref, ref_opt, ref_pre), (model, opt, None)):
+            o.zero_grad()
+            m(tokens).logsumexp(-1).mean().backward()
+            if pre is None or pre.step():
+                o.step()
+    torch.testing.assert_close(
+        list(ref.parameters()), list(model.parameters()), rtol=1e-6, atol=1e-8
+    )
+
+
+def test_transformer_recipe_unknown_name() -> None:
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        KFACOptimizer.transformer(_tiny_transformer(), "kfac-sgd", lr=0.1)

@@ -17,6 +17,7 @@ from torch import nn
 
 from spdkfac.layout import layout_of
 from spdkfac.preconditioner import KFACPreconditioner
+from spdkfac.training.recipe_parts import recipe_parts
 
 __all__ = ["KFACOptimizer"]
 
@@ -166,6 +167,37 @@ class KFACOptimizer(torch.optim.Optimizer):
         if "preconditioner" in state_dict:
             self.preconditioner.load_state_dict(state_dict["preconditioner"])
         self.optimizer.load_state_dict(base)
+
+    @classmethod
+    def transformer(
+        cls,
+        model: nn.Module,
+        recipe: str = "kfac-muon",
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        **options: Any,
+    ) -> KFACOptimizer:
+        """The transformer recipe of ``spdkfac train --optimizer <recipe>`` in one call.
+
+        ``"kfac-muon"``: K-FAC (one-sided form, no KL clip) on the hidden ``nn.Linear``
+        layers, Muon stepping their weights and AdamW the rest (embeddings, head, norms,
+        biases); ``"kfac-eigen-adam"``: the eigen-Adam form on the hidden layers, AdamW on
+        the rest. The recipe's defaults (damping, update intervals) apply unless given.
+
+        Args:
+            model: The model (hidden layers as ``spdkfac.training.optimizers.hidden_layers``
+                finds them in the user's module).
+            recipe: ``"kfac-muon"`` or ``"kfac-eigen-adam"``.
+            lr: The learning rate of every group.
+            weight_decay: Decoupled weight decay of every group.
+            **options: As for the constructor (``KFACConfig`` fields, ``process_group``, …).
+
+        Raises:
+            ValueError: An unknown ``recipe`` or an invalid option.
+        """
+        base, keywords = recipe_parts(model, recipe, lr, weight_decay, options)
+        return cls(model, base, **keywords)
 
     def __repr__(self) -> str:
         return f"KFACOptimizer({self.preconditioner!r}, {self.optimizer!r})"
