@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spdkfac import KFACOptimizer
+from spdkfac import KFACOptimizer, KFACPreconditioner
 
 try:  # a torchvision built for another torch breaks transformers' model imports
     import torchvision  # noqa: F401
@@ -49,6 +49,30 @@ def _train(model: torch.nn.Module, out: Path, steps: int, resume: bool = False) 
     trainer.train(resume_from_checkpoint=resume or None)
     # --8<-- [end:hf]
     return optimizer
+
+
+def _by_hand(steps: int) -> torch.nn.Module:
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pre = KFACPreconditioner(model, optimizer=opt, **OPTIONS)
+    batch = torch.stack([row["input_ids"] for row in _data()])
+    for _ in range(steps):
+        opt.zero_grad()
+        # The Trainer divides the summed token loss by all 32 label tokens (its
+        # num_items_in_batch), the model's mean by the 28 shifted ones.
+        (model(input_ids=batch, labels=batch).loss * (28 / 32)).backward()
+        if pre.step():
+            opt.step()
+    return model
+
+
+def test_trainer_equals_hand_written_steps(tmp_path: Path) -> None:
+    model = _gpt2()
+    optimizer = _train(model, tmp_path, 3)
+    assert optimizer.preconditioner.steps == 3
+    torch.testing.assert_close(
+        list(_by_hand(3).parameters()), list(model.parameters()), rtol=1e-6, atol=1e-9
+    )
 
 
 def test_trainer_resume_restores_preconditioner(tmp_path: Path) -> None:
