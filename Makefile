@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]' $(TORCH_PIN)
+	@# curvlinops' backpack declares torchvision, whose PyPI build is made for another torch
+	@# and fails to import beside the CPU one ("torchvision::nms does not exist"), which
+	@# breaks transformers' and Lightning's imports; nothing here uses it.
+	$(BIN)/python -m pip uninstall --quiet --disable-pip-version-check -y torchvision
 	@touch $@
 
 data:

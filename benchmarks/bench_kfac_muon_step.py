@@ -40,7 +40,9 @@ ROWS: dict[str, dict[str, object]] = {
 def _mean_step(optimizer: str, steps: int, warmup: int) -> float:
     torch.manual_seed(0)
     model = build_model("gpt", vocab_size=256, block_size=128, n_layer=4, n_head=4, d_model=96)
-    config = TrainConfig.from_dict({"model": "gpt", "dataset": "text", "lr": 0.005, **ROWS[optimizer]})
+    config = TrainConfig.from_dict(
+        {"model": "gpt", "dataset": "text", "lr": 0.005, **ROWS[optimizer]}
+    )
     _, combined, precond = make_optimizers(config, model, steps_per_epoch=1000)
     generator = torch.Generator().manual_seed(1)
     start = 0.0

@@ -33,7 +33,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("preconditioner", "calibrate"),
     ("sim", "training"),
-    ("bench",),
+    ("bench", "optim"),
     ("cli", "__init__"),
     ("__main__",),
 )

@@ -270,22 +270,17 @@ def _tiny_transformer() -> nn.Module:
     ).double()
 
 
-@pytest.mark.parametrize("recipe", ["kfac-muon", "kfac-eigen-adam"])
+@pytest.mark.parametrize("recipe", ["kfac-muon", "kfac-eigen-adam", "kfac-eigen-adam-muon"])
 def test_transformer_recipe_in_one_call_equals_cli_parts(recipe: str) -> None:
-    from dataclasses import replace
-
-    from spdkfac import KFACConfig
-    from spdkfac.training.config import OPTIMIZERS, TrainConfig
-    from spdkfac.training.kfac_options import recipe_defaults, transformer_recipe
-    from spdkfac.training.optimizers import BASE_OPTIMIZERS, hidden_layers
+    from spdkfac.training.config import TrainConfig
+    from spdkfac.training.setup import make_optimizers
 
     ref = _tiny_transformer()
-    train = TrainConfig(optimizer=recipe, lr=0.01, weight_decay=0.1, momentum=0.95)
-    ref_opt = BASE_OPTIMIZERS[OPTIMIZERS[recipe]](train, ref, 0.01)
-    kfac = transformer_recipe(
-        KFACConfig(**recipe_defaults(recipe)), recipe, set(hidden_layers(ref)), ref
+    train = TrainConfig.from_dict(
+        {"optimizer": recipe, "lr": 0.01, "weight_decay": 0.1, "inv_update_steps": 2}
     )
-    ref_pre = KFACPreconditioner(ref, config=replace(kfac, inv_update_steps=2))
+    _, ref_opt, ref_pre = make_optimizers(train, ref, steps_per_epoch=5)
+    assert ref_pre is not None
     model = _tiny_transformer()
     opt = KFACOptimizer.transformer(model, recipe, lr=0.01, weight_decay=0.1, inv_update_steps=2)
     assert opt.preconditioner.layers == ["1", "3"]
@@ -302,6 +297,8 @@ def test_transformer_recipe_in_one_call_equals_cli_parts(recipe: str) -> None:
     )
 
 
-def test_transformer_recipe_unknown_name() -> None:
+def test_transformer_recipe_unknown_name_and_fixed_options_are_refused() -> None:
     with pytest.raises(ValueError, match="recipe must be one of"):
         KFACOptimizer.transformer(_tiny_transformer(), "kfac-sgd", lr=0.1)
+    with pytest.raises(ValueError, match=r"kl_clip 0\.01 does not apply to recipe 'kfac-muon'"):
+        KFACOptimizer.transformer(_tiny_transformer(), "kfac-muon", lr=0.1, kl_clip=0.01)

@@ -188,7 +188,9 @@ class KFACOptimizer(torch.optim.Optimizer):
         Args:
             model: The model (hidden layers as ``spdkfac.training.optimizers.hidden_layers``
                 finds them in the user's module).
-            recipe: ``"kfac-muon"`` or ``"kfac-eigen-adam"``.
+            recipe: An ``spdkfac train --optimizer`` of the recipe: ``"kfac-muon"``,
+                ``"kfac-eigen-adam"`` or ``"kfac-eigen-adam-muon"`` (its defaults, its
+                fixed options refused).
             lr: The learning rate of every group.
             weight_decay: Decoupled weight decay of every group.
             **options: As for the constructor (``KFACConfig`` fields, ``process_group``, …).

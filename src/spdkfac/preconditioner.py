@@ -133,8 +133,7 @@ class KFACPreconditioner:
 
     @property
     def strategy_choice(self) -> AutoChoice | None:
-        """What ``strategy="auto"`` measured and chose (None before it decides, and for a
-        named strategy); :meth:`~spdkfac.engine.autotune.AutoChoice.describe` explains it."""
+        """What ``strategy="auto"`` chose (None before it decides, and for a named strategy)."""
         return None if self._auto is None else self._auto.choice
 
     @property
@@ -302,10 +301,8 @@ class KFACPreconditioner:
         """Restore what :meth:`state_dict` returned; the layers must match exactly.
 
         With ``strategy="auto"``, a choice saved at the same world size is kept (no new
-        trials); after a world-size change the trials run again. A state dict saved with
-        another ``inverse_method`` or ``grafting`` loads its factors (its inverses when
-        they are of this form's kind, else they are recomputed at the next step) and this
-        form's running state (Adam's moments) starts fresh where it holds none.
+        trials); after a world-size change the trials run again. Another form's state dict
+        loads its factors (inverses of another kind are recomputed, moments start fresh).
 
         Raises:
             ValueError: When the format, the registered layers or a factor shape differ.

@@ -1,7 +1,7 @@
 """K-FAC before Muon's orthogonalization across ranks: eigen-Adam then Muon without
 momentum (``--optimizer kfac-eigen-adam-muon``) and two-sided K-FAC then Muon
-(``kfac-muon --inverse-method cholesky``), under spd-kfac and osawa, at world 2 equal one process (Muon
-iterates in bf16: agreement to its rounding)."""
+(``kfac-muon --inverse-method cholesky``), under spd-kfac and osawa, at world 2 equal one
+process (Muon iterates in bf16: agreement to its rounding)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``--optimizer kfac-eigen-adam-muon`` (eigen-Adam's direction, then Muon's
-orthogonalization without momentum) and ``kfac-muon --inverse-method cholesky`` (two-sided K-FAC, then
-Muon): the parameter split, the update against an explicit float64 computation, a state
+orthogonalization without momentum) and ``kfac-muon --inverse-method cholesky`` (two-sided
+K-FAC, then Muon): the parameter split, the update against an explicit float64 computation, a state
 dict across a refresh of the bases."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from spdkfac.config import KFACConfig
 from spdkfac.layers import gradient_matrix
 from spdkfac.models import build_model
 from spdkfac.training.config import TrainConfig
