@@ -135,3 +135,12 @@ def test_an_option_of_the_other_kind_of_data_is_refused(
         TrainConfig.from_dict(values)
     defaults = {key: value for key, value in values.items() if key in ("model", "dataset")}
     TrainConfig.from_dict(defaults)  # at their defaults: fine (every recorded run has them)
+
+
+@pytest.mark.parametrize("form", ["cholesky", "eigen-basis", "eigen-adam"])
+def test_kfac_muon_takes_another_form_without_a_kl_clip_the_user_never_set(form: str) -> None:
+    config = _config("--optimizer", "kfac-muon", "--inverse-method", form)
+    assert (config.kfac.inverse_method, config.kfac.kl_clip) == (form, None)
+    model = _gpt()
+    _, _, precond = make_optimizers(config, model, steps_per_epoch=5)
+    assert precond is not None and precond.config.inverse_method == form
