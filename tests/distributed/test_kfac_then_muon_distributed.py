@@ -1,12 +1,13 @@
 """K-FAC before Muon's orthogonalization across ranks: eigen-Adam then Muon without
 momentum (``--optimizer kfac-eigen-adam-muon``) and two-sided K-FAC then Muon
-(``kfac-muon --inverse-method cholesky``), under spd-kfac and osawa, at world 2 equal one
-process (Muon iterates in bf16: agreement to its rounding)."""
+(``kfac-muon --inverse-method cholesky``), under spd-kfac and osawa, at worlds 2 and 3 equal
+one process (Muon iterates in bf16: agreement to its rounding)."""
 
 from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -64,10 +65,11 @@ def _worker(rank: int, world_size: int) -> list[list[Tensor]]:
     return [_train(DistributedDataParallel(_model()), rank, world_size, case) for case in CASES]
 
 
-def test_kfac_then_muon_at_world_two_equals_one_process() -> None:
+@pytest.mark.parametrize("world", [2, 3])
+def test_kfac_then_muon_at_worlds_two_and_three_equals_one_process(world: int) -> None:
     expected = [_train(_model(), 0, 1, case) for case in CASES]
     start = [p.detach().clone() for p in _model().parameters()]
-    for rank_result in run_distributed(_worker, 2, timeout=150):
+    for rank_result in run_distributed(_worker, world, timeout=150):
         for case, got, want in zip(CASES, rank_result, expected, strict=True):
             for mine, theirs, before in zip(got, want, start, strict=True):
                 moved = torch.linalg.norm(theirs - before)
