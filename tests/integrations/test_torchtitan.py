@@ -31,8 +31,13 @@ from torch import Tensor, nn
 from distributed_helper import run_distributed
 from spdkfac import KFACOptimizer, KFACPreconditioner
 
-titan = pytest.importorskip(
+pytest.importorskip(
     "torchtitan.components.optimizer", reason="torchtitan is not installed (Python >= 3.11)"
+)
+from torchtitan.components.optimizer import (
+    LRSchedulersContainer,
+    OptimizersContainer,
+    ParamGroupConfig,
 )
 
 KFAC: dict[str, Any] = {"damping": 0.01, "inv_update_steps": 2, "skip_layers": ("lm_head",)}
@@ -44,11 +49,11 @@ SEQ = 16
 
 
 # --8<-- [start:torchtitan]
-class KFACOptimizersContainer(titan.OptimizersContainer):  # type: ignore[misc,name-defined]
+class KFACOptimizersContainer(OptimizersContainer):
     """torchtitan's optimizer container, K-FAC preconditioning its one optimizer."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(titan.OptimizersContainer.Config):  # type: ignore[misc,name-defined]
+    class Config(OptimizersContainer.Config):
         kfac: dict[str, Any] = field(default_factory=dict)  # KFACOptimizer's options
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
@@ -70,8 +75,8 @@ class KFACOptimizersContainer(titan.OptimizersContainer):  # type: ignore[misc,n
 
 def build_optimizers(model: nn.Module) -> Any:
     config = KFACOptimizersContainer.Config(
-        param_groups=[titan.ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
-                                             optimizer_kwargs=ADAMW)],
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
+                                       optimizer_kwargs=ADAMW)],
         implementation="for-loop", kfac=KFAC,
     )  # fmt: skip
     return config.build(model_parts=[model])
@@ -160,7 +165,7 @@ def _loss(model: nn.Module, step: int, rank: int) -> Tensor:
 
 
 def _schedulers(optimizers: Any) -> Any:
-    return titan.LRSchedulersContainer.Config(warmup_steps=1, decay_type="linear").build(
+    return LRSchedulersContainer.Config(warmup_steps=1, decay_type="linear").build(
         optimizers=optimizers, training_steps=STEPS
     )
 
@@ -197,6 +202,9 @@ def _container_run(mesh: Any, rank: int, folder: Path, steps: range) -> dict[str
         if not steps.start:
             checkpointer.save(curr_step=step + 1)
     checkpointer.close()
+    # Per-parameter state keyed by fully qualified name, the preconditioner's beside it.
+    saved = optimizers.state_dict()
+    assert "state.layers.0.feed_forward.w1.weight.exp_avg" in saved and "kfac" in saved
     assert isinstance(optimizers, KFACOptimizersContainer)
     assert optimizers.optimizers[0].preconditioner.steps == STEPS
     return {"params": _params(model), "lr_lambda": schedulers.schedulers[0].lr_lambdas[0]}
