@@ -42,10 +42,11 @@ from torchtitan.components.optimizer import (
 
 KFAC: dict[str, Any] = {"damping": 0.01, "inv_update_steps": 2, "skip_layers": ("lm_head",)}
 ADAMW: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-STEPS = 4
+STEPS = 3
 SAVED_AT = 2
 ROWS = 2  # sequences per rank and step
 SEQ = 16
+LAYERS = 2  # of the debug model's 6, to keep the test short
 
 
 # --8<-- [start:torchtitan]
@@ -128,13 +129,15 @@ def _import_without_triton(name: str) -> Any:
 
 
 def _debug_model(mesh: Any) -> nn.Module:
-    """torchtitan's llama3 "debugmodel" (6 layers, dim 256), FSDP2 by its own function."""
+    """torchtitan's llama3 "debugmodel" (dim 256) cut to ``LAYERS`` of its 6 layers, FSDP2
+    by torchtitan's own function."""
     llama3 = _import_without_triton("torchtitan.models.llama3")
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     config = llama3.model_registry("debugmodel").model
+    config.layers = config.layers[:LAYERS]
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     torch.manual_seed(0)
@@ -186,7 +189,7 @@ def _params(model: nn.Module) -> dict[str, Tensor]:
 
 def _container_run(mesh: Any, rank: int, folder: Path, steps: range) -> dict[str, Any]:
     """torchtitan's loop: a fresh container resumes from the checkpoint when ``steps``
-    starts after 0, and saves every ``SAVED_AT`` steps otherwise."""
+    starts after 0, and saves after ``SAVED_AT`` steps otherwise."""
     model = _debug_model(mesh)
     optimizers = build_optimizers(model)
     schedulers = _schedulers(optimizers)
@@ -199,7 +202,7 @@ def _container_run(mesh: Any, rank: int, folder: Path, steps: range) -> dict[str
         _loss(model, step, rank).backward()
         optimizers.step()
         schedulers.step()
-        if not steps.start:
+        if step + 1 == SAVED_AT and not steps.start:
             checkpointer.save(curr_step=step + 1)
     checkpointer.close()
     # Per-parameter state keyed by fully qualified name, the preconditioner's beside it.
