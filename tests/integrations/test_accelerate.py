@@ -58,6 +58,26 @@ def _accelerated() -> tuple[dict[str, Tensor], int]:
     return _params(model.module), optimizer.optimizer.preconditioner.steps
 
 
+def _prepared_first() -> dict[str, Tensor]:
+    """The model prepared (wrapped in DDP) before the wrapper is built over it: the
+    preconditioner then leaves the gradient averaging to DDP."""
+    from accelerate import Accelerator
+
+    # --8<-- [start:accelerate-ddp-first]
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(_net())
+    optimizer = KFACOptimizer(model, _base(model), **OPTIONS)
+    loader = DataLoader(TensorDataset(*_rows()), batch_size=PER_RANK)
+    optimizer, loader = accelerator.prepare(optimizer, loader)
+    # --8<-- [end:accelerate-ddp-first]
+    for inputs, targets in loader:
+        optimizer.zero_grad()
+        accelerator.backward(F.mse_loss(model(inputs), targets))
+        optimizer.step()
+    assert isinstance(model, DistributedDataParallel)
+    return _params(model.module)
+
+
 def _by_hand_ddp(rank: int, world_size: int) -> dict[str, Tensor]:
     """accelerate's sharding by hand: rank r takes batch ``world_size * step + r``."""
     model = DistributedDataParallel(_net())
@@ -77,7 +97,12 @@ def _by_hand_ddp(rank: int, world_size: int) -> dict[str, Tensor]:
 
 def _rank(rank: int, world_size: int) -> dict[str, object]:
     params, steps = _accelerated()
-    return {"accelerate": params, "steps": steps, "by_hand": _by_hand_ddp(rank, world_size)}
+    return {
+        "accelerate": params,
+        "prepared first": _prepared_first(),
+        "steps": steps,
+        "by_hand": _by_hand_ddp(rank, world_size),
+    }
 
 
 def _single_process() -> dict[str, Tensor]:
@@ -101,12 +126,9 @@ def test_prepare_at_world_two_equals_hand_written_ddp_loop() -> None:
     reference = _single_process()
     for result in results:
         assert result["steps"] == STEPS
-        for name, expected in result["by_hand"].items():  # type: ignore[attr-defined]
-            torch.testing.assert_close(
-                result["accelerate"][name],
-                expected,
-                rtol=1e-9,
-                atol=1e-12,
-                msg=name,  # type: ignore[index]
-            )
+        for name, expected in result["by_hand"].items():
+            for run in ("accelerate", "prepared first"):
+                torch.testing.assert_close(
+                    result[run][name], expected, rtol=1e-9, atol=1e-12, msg=f"{run} {name}"
+                )
             torch.testing.assert_close(expected, reference[name], rtol=1e-9, atol=1e-12, msg=name)

@@ -10,7 +10,7 @@ import pytest
 
 HERE = Path(__file__).parent
 PAGE = HERE.parents[1] / "docs" / "integrations.md"
-REGION = re.compile(r"# --8<-- \[start:(\w+)\]\n(.*?)^\s*# --8<-- \[end:\1\]", re.S | re.M)
+REGION = re.compile(r"# --8<-- \[start:([\w-]+)\]\n(.*?)^\s*# --8<-- \[end:\1\]", re.S | re.M)
 
 
 def _regions() -> list[tuple[str, str]]:
@@ -24,7 +24,7 @@ def _regions() -> list[tuple[str, str]]:
 
 def test_every_host_has_a_recipe() -> None:
     assert {label.split(":")[1] for label, _ in _regions()} == {
-        "hf", "lightning", "accelerate", "torchtitan"
+        "hf", "lightning", "accelerate", "accelerate-ddp-first", "torchtitan"
     }  # fmt: skip
 
 
