@@ -1,8 +1,11 @@
 """KFACOptimizer through Hugging Face ``accelerate``: ``Accelerator().prepare(model,
 optimizer, dataloader)`` on 2 CPU processes (gloo), equal to the hand-written DDP loop and
-to single-process K-FAC on the global batch (float64)."""
+to single-process K-FAC on the global batch (float64); ``save_state`` / ``load_state``
+resume it exactly."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +21,12 @@ pytest.importorskip("accelerate", reason="accelerate is not installed")
 
 OPTIONS = {"damping": 0.01, "factor_update_steps": 1, "inv_update_steps": 2}
 STEPS = 3
+SAVED_AT = 2  # steps before accelerator.save_state
 PER_RANK = 4  # rows per rank and step: a global batch of 8 at world 2
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
 
 
@@ -40,7 +44,7 @@ def _params(model: nn.Module) -> dict[str, Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _accelerated() -> tuple[dict[str, Tensor], int]:
+def _accelerated(folder: str) -> tuple[dict[str, Tensor], int]:
     from accelerate import Accelerator
 
     # --8<-- [start:accelerate]
@@ -49,13 +53,35 @@ def _accelerated() -> tuple[dict[str, Tensor], int]:
     optimizer = KFACOptimizer(model, _base(model), **OPTIONS)
     loader = DataLoader(TensorDataset(*_rows()), batch_size=PER_RANK)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    for inputs, targets in loader:
+    for step, (inputs, targets) in enumerate(loader):
         optimizer.zero_grad()
         accelerator.backward(F.mse_loss(model(inputs), targets))
         optimizer.step()
+        if step + 1 == SAVED_AT:
+            accelerator.save_state(folder)
     # --8<-- [end:accelerate]
     assert isinstance(model, DistributedDataParallel)
     return _params(model.module), optimizer.optimizer.preconditioner.steps
+
+
+def _resumed(folder: str) -> dict[str, Tensor]:
+    """A fresh model and wrapper (other initial weights) resumed from ``save_state``."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = _net(seed=1)
+    optimizer = KFACOptimizer(model, _base(model), **OPTIONS)
+    loader = DataLoader(TensorDataset(*_rows()), batch_size=PER_RANK)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    # --8<-- [start:accelerate-resume]
+    accelerator.load_state(folder)
+    for inputs, targets in accelerator.skip_first_batches(loader, SAVED_AT):
+        optimizer.zero_grad()
+        accelerator.backward(F.mse_loss(model(inputs), targets))
+        optimizer.step()
+    # --8<-- [end:accelerate-resume]
+    assert optimizer.optimizer.preconditioner.steps == STEPS
+    return _params(model.module)
 
 
 def _prepared_first() -> dict[str, Tensor]:
@@ -95,10 +121,11 @@ def _by_hand_ddp(rank: int, world_size: int) -> dict[str, Tensor]:
     return _params(model.module)
 
 
-def _rank(rank: int, world_size: int) -> dict[str, object]:
-    params, steps = _accelerated()
+def _rank(rank: int, world_size: int, folder: str) -> dict[str, object]:
+    params, steps = _accelerated(folder)
     return {
         "accelerate": params,
+        "resumed": _resumed(folder),
         "prepared first": _prepared_first(),
         "steps": steps,
         "by_hand": _by_hand_ddp(rank, world_size),
@@ -119,15 +146,15 @@ def _single_process() -> dict[str, Tensor]:
     return _params(model)
 
 
-def test_prepare_at_world_two_equals_hand_written_ddp_loop() -> None:
+def test_prepare_at_world_two_equals_hand_written_ddp_loop_and_resumes(tmp_path: Path) -> None:
     # The variables torchrun (or ``accelerate launch``) would set beside RANK and WORLD_SIZE.
     env = {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    results = run_distributed(_rank, 2, timeout=120, env=env)
+    results = run_distributed(_rank, 2, str(tmp_path / "state"), timeout=120, env=env)
     reference = _single_process()
     for result in results:
         assert result["steps"] == STEPS
         for name, expected in result["by_hand"].items():
-            for run in ("accelerate", "prepared first"):
+            for run in ("accelerate", "prepared first", "resumed"):
                 torch.testing.assert_close(
                     result[run][name], expected, rtol=1e-9, atol=1e-12, msg=f"{run} {name}"
                 )

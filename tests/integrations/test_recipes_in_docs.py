@@ -24,7 +24,8 @@ def _regions() -> list[tuple[str, str]]:
 
 def test_every_host_has_a_recipe() -> None:
     assert {label.split(":")[1] for label, _ in _regions()} == {
-        "hf", "lightning", "accelerate", "accelerate-ddp-first", "torchtitan"
+        "hf", "lightning", "accelerate", "accelerate-ddp-first", "accelerate-resume",
+        "torchtitan",
     }  # fmt: skip
 
 
