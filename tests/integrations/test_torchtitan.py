@@ -195,6 +195,15 @@ def _container_run(mesh: Any, rank: int, folder: Path, steps: range) -> dict[str
     schedulers = _schedulers(optimizers)
     checkpointer = _checkpointer(folder, model, optimizers, schedulers)
     if steps.start:
+        # The container's lr = 0 step on zero gradients (which creates AdamW's state before
+        # a load) leaves the weights and the preconditioner as they were.
+        before = _params(model)
+        optimizers.state_dict()
+        kfac = optimizers.optimizers[0]
+        assert kfac.state and kfac.preconditioner.steps == 0
+        assert all(f is None for f in kfac.preconditioner.factors(kfac.preconditioner.layers[0]))
+        for name, value in _params(model).items():
+            torch.testing.assert_close(value, before[name], rtol=0, atol=1e-12)
         assert checkpointer.load(step=steps.start)
         assert optimizers.optimizers[0].preconditioner.steps == steps.start
     for step in steps:
