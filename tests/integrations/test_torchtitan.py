@@ -11,7 +11,9 @@ model's FlexAttention has no backward on CPU, so its layers use torchtitan's
 ``ScaledDotProductAttention`` (as torchtitan's own graph_trainer tests do); and
 ``torchtitan.models`` imports ``triton`` (its MoE expert-parallel kernels) without
 declaring it, which the CPU torch lacks: the import gets a stand-in that refuses any use
-(the dense model never calls those kernels), removed again once the import is done.
+(the dense model never calls those kernels), removed again once the import is done; and
+``apply_fsdp_to_decoder`` turns FSDP's gradient division off, which reduces with
+``PREMUL_SUM(1.0)``, which gloo lacks: FSDP2's plain sum reduction is forced instead.
 """
 
 from __future__ import annotations
