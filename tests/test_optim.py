@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -129,7 +128,6 @@ def test_non_finite_step_skips_base_optimizer() -> None:
 
 def test_lr_zero_init_step_changes_nothing() -> None:
     """torchtitan's optimizer-state init: zero gradients, lr 0, one step, lr restored."""
-    model, precond = _by_hand(4)
     fresh = _model()
     opt = KFACOptimizer(fresh, torch.optim.SGD(fresh.parameters(), lr=0.01), **OPTIONS)
     for p in fresh.parameters():
@@ -151,7 +149,6 @@ def test_lr_zero_init_step_changes_nothing() -> None:
             if pre is None or pre.step():
                 o.step()
     _close(ref, fresh)
-    del model, precond
 
 
 def test_closure_returning_nothing_still_steps() -> None:
@@ -172,7 +169,7 @@ def test_step_without_backward_is_the_preconditioners_error() -> None:
     opt = KFACOptimizer(model, _base(model), **OPTIONS)
     _loss(model, 0).backward()
     opt.step()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="without a new backward pass"):
         opt.step()
 
 
@@ -205,9 +202,6 @@ def test_options_validated_like_the_preconditioner() -> None:
 
 
 def test_grad_scaler_matches_unscaled_loop() -> None:
-    model, _ = _by_hand(0)
-    steps: list[Callable[[], None]] = []
-    del steps
     ref = _model()
     ref_opt = _base(ref)
     ref_pre = KFACPreconditioner(ref, optimizer=ref_opt, **OPTIONS)
@@ -227,7 +221,6 @@ def test_grad_scaler_matches_unscaled_loop() -> None:
     torch.testing.assert_close(
         list(ref.parameters()), list(scaled.parameters()), rtol=1e-8, atol=1e-10
     )
-    del model
 
 
 def test_base_optimizer_missing_a_registered_bias() -> None:
