@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 DEMO_ARGS ?=
 DEMO_WORKERS ?= 2
 
-.PHONY: demo test lint typecheck unit data clean
+.PHONY: demo test lint typecheck unit data corpora clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
@@ -23,8 +23,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip uninstall --quiet --disable-pip-version-check -y torchvision
 	@touch $@
 
+# What the demo reads, and only that: Debian's dataset-fashion-mnist.
 data:
 	@bash scripts/ensure_fashion_mnist.sh
+
+# The text corpora of `spdkfac train --dataset text|gcide` (fortunes; GCIDE's data file,
+# unpacked without the dictd server its package depends on). Not needed by the demo.
+corpora:
 	@bash scripts/ensure_fortunes.sh
 	@bash scripts/ensure_gcide.sh
 

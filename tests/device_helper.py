@@ -1,6 +1,6 @@
 """The devices a device-parametrized test runs on: the CPU always, CUDA where there is one.
 
-``benchmarks/gpu_check.sh`` runs ``tests/device/`` on a lent GPU; elsewhere the CUDA cases
+``benchmarks/gpu/gpu_check.sh`` runs ``tests/device/`` on a lent GPU; elsewhere the CUDA cases
 are skipped with the reason, and the CPU cases run the same code.
 """
 
@@ -13,7 +13,7 @@ __all__ = ["CUDA_REASON", "DEVICES", "on_device", "synchronize"]
 
 CUDA_REASON = (
     "CUDA is not available here (torch.cuda.is_available() is False); "
-    "benchmarks/gpu_check.sh runs these cases on a GPU"
+    "benchmarks/gpu/gpu_check.sh runs these cases on a GPU"
 )
 
 #: ``@pytest.mark.parametrize("device", DEVICES)``: "cpu", and "cuda" (skipped without one).

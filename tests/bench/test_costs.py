@@ -1,4 +1,4 @@
-"""The printed cost model reads back (``benchmarks/validate_sim.py`` simulates from it)."""
+"""The printed cost model reads back (``benchmarks/sim/validate_sim.py`` simulates from it)."""
 
 from __future__ import annotations
 

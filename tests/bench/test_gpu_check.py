@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh and gpu_check.py: the dry run on the CPU writes every section
+"""benchmarks/gpu/gpu_check.sh and gpu_check.py: the dry run on the CPU writes every section
 (the device run's command, kept working), and one failing section loses no other."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from process_helper import run_command
 from spdkfac.costmodel import CalibrationFile
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 
 import gpu_check  # noqa: E402
 import gpu_check_measure  # noqa: E402
@@ -29,7 +29,7 @@ def _json(path: Path) -> Any:
 def test_the_dry_run_writes_every_section(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT / "src")}  # fmt: skip
-    result = run_command(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
+    result = run_command(["bash", str(ROOT / "benchmarks" / "gpu" / "gpu_check.sh"), "--dry-run"],
                          timeout=240, env=env)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     suite = ET.parse(tmp_path / "device_tests.xml").getroot().find("testsuite")

@@ -152,6 +152,19 @@ def test_every_verb_says_a_bad_flag_in_one_line_after_a_one_line_usage(
     assert lines[1].startswith(f"spdkfac {argv[0]}: error: argument {argv[1]}")
 
 
+@pytest.mark.parametrize("verb", ["demo", "simulate", "bench", "calibrate", "train"])
+def test_an_unknown_flag_is_named_by_its_verb_in_one_line(
+    verb: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([verb, "--no-such-flag"])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"usage: spdkfac {verb} ")
+    assert lines[1] == f"spdkfac {verb}: error: unrecognized arguments: --no-such-flag"
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     from spdkfac import __version__
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import sys
 from pathlib import Path
@@ -10,22 +11,15 @@ import pytest
 
 from process_helper import run_command
 from spdkfac.cli import main
+from spdkfac.support.optional import optional_import
 
 
-def test_demo_runs_end_to_end(tiny_fashion_mnist: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(
-        [
-            "demo",
-            "--data",
-            str(tiny_fashion_mnist),
-            "--epochs",
-            "1",
-            "--batch-size",
-            "64",
-            "--threads",
-            "1",
-        ]
-    )
+def test_demo_runs_end_to_end(
+    tiny_fashion_mnist: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_dir = tmp_path / "demo-out"
+    code = main(["demo", "--data", str(tiny_fashion_mnist), "--epochs", "1", "--batch-size",
+                 "64", "--threads", "1", "--out-dir", str(out_dir)])  # fmt: skip
     assert code == 0
     out = capsys.readouterr().out
     assert "256 train / 64 test images" in out
@@ -34,12 +28,34 @@ def test_demo_runs_end_to_end(tiny_fashion_mnist: Path, capsys: pytest.CaptureFi
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[2]) > 0 and 0.0 <= float(cells[3]) <= 1.0
+    # The table, its numbers and the plot stay in the named folder.
+    table = (out_dir / "table.md").read_text()
+    assert all(row in table for row in rows) and "256 train / 64 test images" in table
+    with (out_dir / "results.csv").open() as stream:
+        numbers = list(csv.DictReader(stream))
+    assert [row["optimizer"] for row in numbers] == ["sgd", "spd-kfac"]
+    assert [float(row["test_accuracy"]) for row in numbers] == pytest.approx(
+        [float(r.strip("|").split("|")[3]) for r in rows], abs=1e-4
+    )
+    if optional_import("matplotlib.figure") is not None:
+        assert (out_dir / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {out_dir / 'table.md'}" in out
 
 
-def test_demo_under_torchrun_with_two_workers(tiny_fashion_mnist: Path) -> None:
+def test_demo_refuses_an_out_dir_that_is_a_file(
+    tiny_fashion_mnist: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert main(["demo", "--data", str(tiny_fashion_mnist), "--out-dir", str(file)]) == 1
+    assert f"--out-dir {file} is not a directory" in capsys.readouterr().err
+
+
+def test_demo_under_torchrun_with_two_workers(tiny_fashion_mnist: Path, tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "spdkfac", "demo"]
-    args = ["--data", str(tiny_fashion_mnist), "--epochs", "1", "--batch-size", "32"]
+    args = ["--data", str(tiny_fashion_mnist), "--epochs", "1", "--batch-size", "32",
+            "--out-dir", str(tmp_path / "out")]  # fmt: skip
     result = run_command(command + args, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 worker(s) x batch 32" in result.stdout

@@ -257,6 +257,9 @@ def test_every_verb_runs_with_every_optional_package_broken(
     assert (bench_out / "report.md").is_file() and not (bench_out / "breakdown.png").exists()
     assert "breakdown.png" not in (bench_out / "report.md").read_text()
 
-    assert main(["demo", *data, "--epochs", "1", "--batch-size", "64", "--model", "mlp"]) == 0
+    demo_out = tmp_path / "demo"
+    assert main(["demo", *data, "--epochs", "1", "--batch-size", "64", "--model", "mlp",
+                 "--out-dir", str(demo_out)]) == 0  # fmt: skip
     assert "| spd-kfac |" in capsys.readouterr().out
+    assert (demo_out / "table.md").is_file() and not (demo_out / "accuracy.png").exists()
     assert os.environ.get("WORLD_SIZE") is None

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,12 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 from spdkfac.cli.arguments import positive_float, positive_int
+from spdkfac.cli.demo_outputs import (
+    EpochResult,
+    check_out_dir,
+    format_table,
+    write_demo_outputs,
+)
 from spdkfac.comm import Communicator, destroy_distributed, init_distributed
 from spdkfac.config import KFACConfig
 from spdkfac.data import DEFAULT_FASHION_MNIST_DIR, load_fashion_mnist
@@ -25,7 +30,10 @@ from spdkfac.strategies import STRATEGY_NAMES
 from spdkfac.training.loop import cross_entropy_pass, train_step
 from spdkfac.training.progress import ProgressBar
 
-__all__ = ["EpochResult", "add_parser", "run"]
+__all__ = ["EpochResult", "add_parser", "format_table", "run"]
+
+#: Where the demo leaves its table, numbers and plot (``--out-dir``).
+DEFAULT_OUT_DIR = Path("demo-out")
 
 #: The library's K-FAC defaults (the strategy the demo runs).
 _KFAC = KFACConfig()
@@ -34,18 +42,6 @@ _KFAC = KFACConfig()
 #: SGD + K-FAC needs more damping than the library default; stale factors and inverses
 #: keep the demo short. Flags, like any user's options, not defaults of the options.
 _RECIPE = {"damping": 0.3, "kl_clip": 1e-3, "factor_update_steps": 10, "inv_update_steps": 10}
-
-
-@dataclass(frozen=True)
-class EpochResult:
-    """One row of the demo's table."""
-
-    optimizer: str
-    epoch: int
-    train_loss: float
-    test_accuracy: float
-    seconds: float
-    iteration_ms: float
 
 
 def add_parser(verbs: Any) -> None:
@@ -92,6 +88,13 @@ def add_parser(verbs: Any) -> None:
         type=positive_int,
         default=None,
         help="use only the first N training images (default: all 60,000)",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=DEFAULT_OUT_DIR,
+        help="where the table (table.md), its numbers (results.csv) and a plot of accuracy "
+        "and loss per epoch (accuracy.png, with matplotlib) go (default: %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
@@ -186,41 +189,30 @@ def _train(
     return results
 
 
-def format_table(results: list[EpochResult]) -> str:
-    """A markdown table of the per-epoch results."""
-    lines = [
-        "| optimizer | epoch | train loss | test acc | seconds | ms/iter |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in results:
-        lines.append(
-            f"| {row.optimizer} | {row.epoch} | {row.train_loss:.4f} | "
-            f"{row.test_accuracy:.4f} | {row.seconds:.1f} | {row.iteration_ms:.1f} |"
-        )
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the demo on this process's rank; returns the process exit code."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     # Every rank loads (and fails on a missing path) before joining the group.
+    check_out_dir(args.out_dir)
     train_set = load_fashion_mnist(args.data, train=True, limit=args.train_limit)
     test_set = load_fashion_mnist(args.data, train=False)
     comm = init_distributed()
     try:
+        heading = (
+            f"Fashion-MNIST from {args.data}: {len(train_set)} train / {len(test_set)} "
+            f"test images; model {args.model}; {comm.world_size} worker(s) x batch "
+            f"{args.batch_size}; {args.epochs} epoch(s) per optimizer"
+        )
         if comm.rank == 0:
-            print(
-                f"Fashion-MNIST from {args.data}: {len(train_set)} train / {len(test_set)} "
-                f"test images; model {args.model}; {comm.world_size} worker(s) x batch "
-                f"{args.batch_size}; {args.epochs} epoch(s) per optimizer",
-                flush=True,
-            )
-        results = []
+            print(heading, flush=True)
+        results: list[EpochResult] = []
         for name in ("sgd", args.strategy):
             results.extend(_train(name, args, train_set, test_set, comm))
         if comm.rank == 0:
             print(format_table(results))
+            written = write_demo_outputs(args.out_dir, results, heading)
+            print(f"wrote {', '.join(str(path) for path in written)}")
     finally:
         destroy_distributed()
     return 0

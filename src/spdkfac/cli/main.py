@@ -40,7 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Bad arguments exit with code 2 (argparse); a missing input file prints one line naming
     it and returns 1 instead of a traceback.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the verb's one-line usage and error, not the top-level parser's
+        _verb_parser(parser, args.verb).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         with _notes(args.verb):
             result: int = args.run(args)
@@ -48,6 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"spdkfac {args.verb}: error: {error}", file=sys.stderr)
         return 1
     return result
+
+
+def _verb_parser(parser: argparse.ArgumentParser, verb: str) -> argparse.ArgumentParser:
+    """The sub-parser of ``verb`` in ``parser`` (built by :func:`build_parser`)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub: argparse.ArgumentParser = action.choices[verb]
+            return sub
+    return parser
 
 
 @contextlib.contextmanager

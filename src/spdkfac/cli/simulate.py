@@ -151,7 +151,7 @@ def add_parser(verbs: Any) -> None:
         "--measured",
         default=None,
         metavar="PATH",
-        help="per-op and per-layer times measured on one worker (benchmarks/"
+        help="per-op and per-layer times measured on one worker (benchmarks/sim/"
         "measure_sim_compute.py) for the model, batch and input size simulated",
     )
     add(

@@ -18,7 +18,7 @@ _KINDS: tuple[FactorKind, ...] = ("A", "G")
 def factor_flops(rows: int, dim: int) -> float:
     """Floating-point operations of one factor ``XᵀX`` with ``X`` of shape ``[rows, dim]``.
 
-    Counts the full product (2·rows·dim²), as ``benchmarks/bench_phases.py`` does, even when
+    Counts the full product (2·rows·dim²), as ``benchmarks/perf/bench_phases.py`` does, even when
     an implementation exploits symmetry: the rate is then simply higher.
     """
     return 2.0 * rows * dim * dim

@@ -54,9 +54,9 @@ DEFAULT_GCIDE_PATH = Path("/usr/share/dictd/gcide.dict.dz")
 #: 145 KB each: evaluations stay cheap next to training, and the text is large).
 SPLIT_ENDS = (0.99, 0.995)
 _HOW_TO_GET = (
-    "install Debian's dict-gcide package (`apt-get install dict-gcide`, or "
-    "scripts/ensure_gcide.sh) or pass its gcide.dict.dz (or an uncompressed .dict) with "
-    "`--data PATH`"
+    "run scripts/ensure_gcide.sh (it unpacks gcide.dict.dz from Debian's dict-gcide "
+    "without installing the dictd server the package depends on) or pass a gcide.dict.dz "
+    "(or an uncompressed .dict) with `--data PATH`"
 )
 #: A headword line: text at column 0, then a pronunciation between backslashes.
 _HEADWORD = re.compile(r"^[^\s\\][^\\\n]*\\[^\\\n]+\\", re.MULTILINE)

@@ -57,7 +57,7 @@ model's predictions and the simulator price it as the run computes and sends it:
 inverse-time curve (:class:`~spdkfac.costmodel.PolynomialInverseModel`), which is fitted
 to damped inverses by Cholesky (the default cost model, and ``spdkfac calibrate``'s default
 ``--method cholesky``). The scales (:data:`COMPUTE_SCALES`) were measured on a 2-core
-AMD EPYC (torch 2.13, one thread; ``benchmarks/measure_sim_form_costs.py``, report in
+AMD EPYC (torch 2.13, one thread; ``benchmarks/sim/measure_sim_form_costs.py``, report in
 ``benchmarks/reports/form_costs_cpu.md``):
 over d = 384…2048 a clamped ``eigh`` plus the reconstruction ``Q diag(1/(λ+γ)) Qᵀ`` took
 4.2-5.7x a Cholesky inverse, the ``eigh`` of the eigen-basis alone 3.4-4.8x (two runs;

@@ -5,11 +5,11 @@ the paper's GPUs on other networks.
 gloo on loopback. Inverse, factor-product lines and the 2-rank collectives are the fits of
 ``benchmarks/reports/costmodel_cpu.json`` and ``costmodel_cpu_2ranks.json`` (``spdkfac
 calibrate``); the roofline of forward/backward ops, the bookkeeping primitives and the
-host overheads were measured by ``benchmarks/calibrate_sim_cpu.py``
+host overheads were measured by ``benchmarks/sim/calibrate_sim_cpu.py``
 (``benchmarks/reports/sim_cpu_preset.md``), the interference of gloo with computation by
-``benchmarks/calibrate_sim_interference.py``. Other world sizes scale the 2-rank
+``benchmarks/sim/calibrate_sim_interference.py``. Other world sizes scale the 2-rank
 collectives as a ring all-reduce and a tree broadcast. For a model you can run here,
-``--measured`` (``benchmarks/measure_sim_compute.py``) replaces the roofline by its own
+``--measured`` (``benchmarks/sim/measure_sim_compute.py``) replaces the roofline by its own
 per-op times.
 
 ``paper``: RTX2080Ti GPUs, 4 per node, over 100 Gb/s InfiniBand; compute rates fitted to
@@ -43,7 +43,7 @@ from spdkfac.sim.hardware import CommunicationModel, DeviceModel, Hardware
 __all__ = ["PRESETS", "cluster_preset", "cpu_preset", "paper_preset", "resolve_hardware"]
 
 
-# Measured by benchmarks/calibrate_sim_cpu.py with two processes at once, one thread each
+# Measured by benchmarks/sim/calibrate_sim_cpu.py with two processes at once, one thread each
 # (benchmarks/reports/sim_cpu_preset.md).
 CPU_GEMM_FLOPS = 1.133e11
 CPU_GEMM_HALF_SIDE = 0.0
@@ -73,7 +73,7 @@ CPU_BOOKKEEPING = {
 CPU_HOOK_OVERHEAD = 8.373e-05
 CPU_LAYER_STEP_OVERHEAD = 4.394e-05
 CPU_ITERATION_OVERHEAD = 0.0
-# benchmarks/calibrate_sim_interference.py --link loopback
+# benchmarks/sim/calibrate_sim_interference.py --link loopback
 # (benchmarks/reports/sim_interference_cpu.json; means of 31 rounds, standard errors
 # 0.02-0.03; an earlier 7-round median-based measurement gave 0.71 / 0.32). Its
 # contention spread (0.33) is left out: drift between ranks makes every simulation draw

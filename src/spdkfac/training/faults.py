@@ -13,7 +13,7 @@ rank: every rank). ``STEP`` is the number of optimizer steps already completed, 
   step, so a resumed run replays it exactly as the uninterrupted one did).
 
 Unset or empty, nothing is injected. It exists for the reliability tests and
-``benchmarks/soak.py``; it is never needed in production.
+``benchmarks/perf/soak.py``; it is never needed in production.
 """
 
 from __future__ import annotations
