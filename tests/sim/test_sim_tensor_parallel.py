@@ -134,3 +134,10 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
                                   ("llama", "6", "does not divide 6 workers")):  # fmt: skip
         assert main(["simulate", "--model", model, "--workers", workers, "--tp-size", "4"]) == 2
         assert named in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_sized_llama_takes_the_llama_plan() -> None:
+    workload = workload_for("llama-134m", batch_size=1)
+    assert sum(n for _, n in workload.parameters) == 134_759_424
+    plan = tensor_parallel_plan(workload, 8)
+    assert plan.capture_elements > 0 and len(plan.layers) == len(workload.layers)

@@ -192,7 +192,8 @@ def tensor_parallel_plan(workload: Workload, tp: int) -> TensorParallelPlan:
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an int >= 1, got {tp!r}")
-    plan = TP_PLANS.get(workload.model.lower())
+    model = workload.model.lower()  # a sized variant ("llama-134m") takes its family's plan
+    plan = TP_PLANS.get(model, TP_PLANS.get(model.partition("-")[0]))
     if plan is None:
         raise ValueError(
             f"model {workload.model!r} has no tensor-parallel plan; models with one: "
@@ -276,7 +277,10 @@ class TensorParallelResult:
     Attributes:
         fsdp: The same strategy under FSDP2 on all ``P`` ranks.
         plan: What the layout moves.
-        collectives: Every priced collective (FSDP2's over dp, TP's own, K-FAC's).
+        collectives: Every priced collective of each step (FSDP2's over dp, TP's own,
+            K-FAC's gradient reads).
+        capture: K-FAC's capture all-gathers (on factor steps only).
+        factor_update_steps: Steps per factor update.
         iteration_s: Projected iteration time.
         pass_exposed_s: FSDP2's pass collectives (over dp) beyond the compute.
         stream_s: Tensor parallelism's own activation collectives (exposed whole).
@@ -288,6 +292,8 @@ class TensorParallelResult:
     fsdp: FsdpResult
     plan: TensorParallelPlan
     collectives: tuple[FsdpCollective, ...]
+    capture: tuple[FsdpCollective, ...]
+    factor_update_steps: int
     iteration_s: float
     pass_exposed_s: float
     stream_s: float
@@ -297,8 +303,9 @@ class TensorParallelResult:
 
     @property
     def bytes_per_rank(self) -> float:
-        """What each rank sends per iteration (capture counted at every step)."""
-        return sum(collective.bytes_per_rank for collective in self.collectives)
+        """What each rank sends per iteration (the capture's averaged over factor steps)."""
+        captured = sum(collective.bytes_per_rank for collective in self.capture)
+        return sum(c.bytes_per_rank for c in self.collectives) + captured / self.factor_update_steps
 
 
 def _factor_extra(workload: Workload, hardware: Hardware, tp: int) -> float:
@@ -351,7 +358,9 @@ def tensor_parallel_result(
     return TensorParallelResult(
         fsdp_result(ddp, workload, hardware),
         plan,
-        (*fsdp, *stream, *capture, *reads),
+        (*fsdp, *stream, *reads),
+        tuple(capture),
+        factor_update_steps,
         iteration,
         exposed,
         stream_s,
