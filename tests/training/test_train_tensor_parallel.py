@@ -5,6 +5,7 @@ run; what it does not support exits 2 with one line before any process group."""
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -51,6 +52,7 @@ def test_fsdp_tp_llama_resumes_as_the_uninterrupted_run(tmp_path: Path) -> None:
     rest = _ranks(*common, "--out-dir", str(resumed), "--max-steps", "3", "--resume")
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert "at step 2" in rest.stdout
+    assert json.loads((resumed / "summary.json").read_text())["replicas_identical"]
     theirs, ours = _rows(straight), _rows(resumed)
     assert len(ours) == len(theirs) == 3
     for mine, other in zip(ours, theirs, strict=True):
