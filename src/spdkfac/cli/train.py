@@ -47,8 +47,8 @@ _HELP: dict[str, str] = {
     "or torchvision:NAME for a torchvision.models model; gpt: a byte-level language model "
     "for --dataset text or gcide; llama: a tiny LLaMA for the same, the model --tp-size "
     "splits)",
-    "dataset": f"dataset: {', '.join(DATASETS)} (text: a byte-level corpus for --model gpt; "
-    "gcide: the GCIDE dictionary as plain English, about 29 MB, for --model gpt)",
+    "dataset": f"dataset: {', '.join(DATASETS)} (text: a byte-level corpus for --model gpt "
+    "or llama; gcide: the GCIDE dictionary as plain English, about 29 MB, for the same)",
     "data": "dataset directory (Fashion-MNIST default: Debian's dataset-fashion-mnist), "
     "for text a file or directory (default: Debian's fortunes, /usr/share/games/fortunes), "
     "for gcide a .dict.dz or .dict file (default: Debian's dict-gcide, "
