@@ -101,6 +101,8 @@ def test_the_exchange_grows_with_the_group(llama_workload: Workload) -> None:
     for plan in plans:
         assert plan.capture_elements == plan.tp * plans[0].capture_elements
         assert plan.gradient_elements == plans[0].gradient_elements
+        streams = [layer.stream_elements for layer in plan.layers if layer.split.stream]
+        assert streams == [plan.tp * 4 * 128 * 128] * 5  # embedding, wo and w2 of 2 blocks
     shards = [sum(n for _, n in plan.shard_elements) for plan in plans]
     assert shards == sorted(shards, reverse=True) and shards[-1] < shards[0] / 4
     hardware = resolve_hardware("ib200", None)

@@ -35,6 +35,7 @@ are priced as float32.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -175,11 +176,13 @@ def _split(plan: Mapping[str, TpSplit], name: str) -> TpSplit:
     return split
 
 
-def _layer(layer: LayerSpec, split: TpSplit, tp: int, numel: Mapping[str, int]) -> TpLayer:
-    tokens = tp * layer.rows  # the group's tokens: tp times a rank's batch
+def _layer(
+    layer: LayerSpec, split: TpSplit, tp: int, numel: Mapping[str, int], stream_tokens: int
+) -> TpLayer:
+    tokens = tp * layer.rows  # the group's rows: tp times a rank's
     width = {"A": layer.a_dim, "G": layer.g_dim, None: 0}[split.gathers]
     gradient = sum(n for name, n in numel.items() if name.startswith(f"{layer.name}."))
-    stream = tokens * layer.g_dim if split.stream else 0
+    stream = tp * stream_tokens * layer.g_dim if split.stream else 0
     return TpLayer(layer.name, split, tokens * width, stream, gradient)
 
 
@@ -200,7 +203,11 @@ def tensor_parallel_plan(workload: Workload, tp: int) -> TensorParallelPlan:
             f"{', '.join(TP_PLANS)}"
         )
     numel = dict(workload.parameters)
-    layers = tuple(_layer(layer, _split(plan, layer.name), tp, numel) for layer in workload.layers)
+    # A rank's tokens (batch × sequence): an embedding's rows are not its output's tokens.
+    tokens = workload.batch_size * math.prod(workload.input_shape)
+    layers = tuple(
+        _layer(layer, _split(plan, layer.name), tp, numel, tokens) for layer in workload.layers
+    )
     split_names = {f"{layer.name}." for layer in layers}
     shards: dict[str, int] = {}
     for unit, _ in units(workload):
