@@ -34,7 +34,8 @@ FLAT_KEYS = {
     "batchnorm", "normalization", "batchnorm_damping_multiplier", "weight_rescaling",
     "mixup_alpha",
     "random_erasing", "label_smoothing", "augment", "seed", "threads", "flush_denormal",
-    "collective_timeout", "fsdp", "hsdp_replicas", "out_dir", "checkpoint_every", "resume",
+    "collective_timeout", "fsdp", "hsdp_replicas", "tp_size", "out_dir", "checkpoint_every",
+    "resume",
     "overwrite", "target_accuracy", "tensorboard", "config",
 }  # fmt: skip
 

@@ -39,8 +39,10 @@ from spdkfac.sim import (
     trace_workload,
     write_trace,
 )
-from spdkfac.sim.fsdp import LAYOUTS, fsdp_result, fsdp_table
+from spdkfac.sim.fsdp import LAYOUTS, fsdp_section
 from spdkfac.sim.paper import PAPER_TABLE_III
+from spdkfac.sim.tensor_parallel import check_tensor_parallel
+from spdkfac.sim.tensor_parallel_report import tensor_parallel_section
 from spdkfac.strategies import AUTO_CANDIDATES
 from spdkfac.support.paths import output_file_problem
 
@@ -209,6 +211,14 @@ def add_parser(verbs: Any) -> None:
         "parameter all-gathers and gradient reduce-scatters in place of the all-reduce, "
         "K-FAC's step-time gradient gathers; spdkfac.sim.fsdp), a table after the report",
     )
+    add(
+        "--tp-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="also project every strategy under FSDP2 x TP in N-rank groups (llama; N "
+        "divides every --workers) next to FSDP2: tables after the report (sim.tensor_parallel)",
+    )
     add("--json", action="store_true", help="print one JSON object keyed by strategy")
     add("--trace", default=None, metavar="PATH", help="Chrome trace of the first run (ranks 0-7)")
     add("--out", default=None, metavar="PATH", help="also write the markdown report here")
@@ -324,19 +334,6 @@ def _notes(args: argparse.Namespace, hardware: Hardware) -> list[str]:
     return notes
 
 
-def _fsdp_sections(runs: list[tuple[Workload, Hardware, dict[str, StrategyResult]]]) -> str:
-    """Markdown sections of every run's strategies under FSDP2 (``--layout fsdp``)."""
-    parts: list[str] = []
-    for workload, hardware, results in runs:
-        try:
-            rows = [(label, fsdp_result(ddp, workload, hardware)) for label, ddp in results.items()]
-        except ValueError as error:
-            raise _VerbError(error, 2) from None
-        world = next(iter(results.values())).world_size
-        parts.append(f"\n\n## FSDP2: {workload.model}, {world} workers\n\n{fsdp_table(rows)}")
-    return "".join(parts)
-
-
 def _run(args: argparse.Namespace) -> int:
     _check_outputs(args)
     hardware = _hardware(args)
@@ -359,6 +356,10 @@ def _run(args: argparse.Namespace) -> int:
             raise _VerbError(error) from None
         for workers in args.workers:
             _check_size(model_hardware, workers, workload.model)
+            try:
+                check_tensor_parallel(workload, workers, args.tp_size)
+            except ValueError as error:
+                raise _VerbError(error, 2) from None
         for workers in args.workers:
             results = {
                 _label(name, scheduler): simulate_strategy(
@@ -376,8 +377,14 @@ def _run(args: argparse.Namespace) -> int:
             runs.append(SimulationRun(workload.model, batch, workers, hardware.name, results))
             fsdp.append((workload, model_hardware, results))
     report = markdown_report(runs, title="spdkfac simulate", notes=_notes(args, hardware))
-    if args.layout == "fsdp":
-        report += _fsdp_sections(fsdp)
+    try:  # a strategy that is no row ("auto") exits 2
+        if args.layout == "fsdp":
+            report += "".join(fsdp_section(*run) for run in fsdp)
+        if args.tp_size is not None:
+            steps = args.factor_update_steps
+            report += "".join(tensor_parallel_section(*run, args.tp_size, steps) for run in fsdp)
+    except ValueError as error:
+        raise _VerbError(error, 2) from None
     if args.out is not None:
         Path(args.out).write_text(report + "\n")
     if args.trace is not None:

@@ -45,19 +45,20 @@ def _default_help(name: str, default: object) -> str:
 _HELP: dict[str, str] = {
     "model": "model name (resnet20/32/56, cnn, mlp, wrn16-4, resnet50/152, densenet121/201, "
     "or torchvision:NAME for a torchvision.models model; gpt: a byte-level language model "
-    "for --dataset text or gcide)",
-    "dataset": f"dataset: {', '.join(DATASETS)} (text: a byte-level corpus for --model gpt; "
-    "gcide: the GCIDE dictionary as plain English, about 29 MB, for --model gpt)",
+    "for --dataset text or gcide; llama: a tiny LLaMA for the same, the model --tp-size "
+    "splits)",
+    "dataset": f"dataset: {', '.join(DATASETS)} (text: a byte-level corpus for --model gpt "
+    "or llama; gcide: the GCIDE dictionary as plain English, about 29 MB, for the same)",
     "data": "dataset directory (Fashion-MNIST default: Debian's dataset-fashion-mnist), "
     "for text a file or directory (default: Debian's fortunes, /usr/share/games/fortunes), "
     "for gcide a .dict.dz or .dict file (default: Debian's dict-gcide, "
     "/usr/share/dictd/gcide.dict.dz)",
     "image_size": "image side for imagefolder datasets",
     "seq_len": "text: context length in bytes (window of each training example)",
-    "gpt_layers": "gpt: transformer blocks",
-    "gpt_heads": "gpt: attention heads (must divide --gpt-dim)",
-    "gpt_dim": "gpt: width of the residual stream",
-    "gpt_dropout": "gpt: dropout probability",
+    "gpt_layers": "gpt, llama: transformer blocks",
+    "gpt_heads": "gpt, llama: attention heads (must divide --gpt-dim)",
+    "gpt_dim": "gpt, llama: width of the residual stream",
+    "gpt_dropout": "gpt: dropout probability (llama: 0 only)",
     "train_limit": "image datasets: train on the first N training images only",
     "val_split": "hold out this fraction of the training data and evaluate on it instead "
     "of the test set (images: a fixed random subset, scored as val_accuracy) or the "
@@ -170,6 +171,9 @@ _HELP: dict[str, str] = {
     "soap)",
     "hsdp_replicas": "with --fsdp: HSDP, a 2-D mesh of N replicas x WORLD/N shards (N must "
     "divide the world size)",
+    "tp_size": "with --fsdp: tensor parallelism over groups of N ranks (FSDP2 x TP on a "
+    "(WORLD/N, N) mesh, the model split by its plan: llama only; N must divide the world "
+    "size and --gpt-heads)",
     "tensorboard": "--tensorboard: write TensorBoard logs (without the tensorboard package: "
     "one notice, the run goes on); --no-tensorboard: none; by default: logs when the "
     "package is installed, nothing said otherwise",
@@ -204,7 +208,8 @@ _ARGUMENTS: dict[str, dict[str, Any]] = {
     **{name: {"type": int} for name in ("max_steps", "threads", "stale_switch_step",
                                          "train_limit", "eval_every", "evals_per_epoch",
                                          "lr_schedule_steps", "warmup_steps", "hsdp_replicas",
-                                         "factor_examples", "precondition_frequency")},
+                                         "factor_examples", "precondition_frequency",
+                                         "tp_size")},
     **{name: {"type": float} for name in ("damping_initial", "poly_end_epoch", "kl_clip")},
 }  # fmt: skip
 
@@ -300,6 +305,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--hsdp-replicas {config.hsdp_replicas} does not divide {world} ranks"
             )
+        if config.tp_size is not None and world % config.tp_size:
+            raise ValueError(f"--tp-size {config.tp_size} does not divide {world} ranks")
         if config.model.lower().startswith(TORCHVISION_PREFIX):
             # A missing torchvision or model name exits 2 here, before loading any data.
             torchvision_builder(config.model[len(TORCHVISION_PREFIX) :])

@@ -1,8 +1,12 @@
 """torchtitan's tensor-parallel plan for the LLaMA layout (:mod:`spdkfac.models.llama`),
-applied with DTensor's ``parallelize_module`` (``torch.distributed`` APIs, hence here)."""
+applied with DTensor's ``parallelize_module``, and the FSDP2 × TP wrapping of ``spdkfac
+train --fsdp --tp-size`` (``torch.distributed`` APIs, hence here)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -14,7 +18,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["parallelize_llama"]
+from spdkfac.comm.distributed import TorchDistributedCommunicator
+
+__all__ = ["TENSOR_PARALLEL_PLANS", "parallelize_llama", "shard_tensor_parallel"]
 
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -54,3 +60,42 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         }
         parallelize_module(block, mesh, plan)
     return model
+
+
+#: The tensor-parallel plan of each model that has one (by its ``spdkfac train`` name).
+TENSOR_PARALLEL_PLANS: dict[str, Callable[[nn.Module, DeviceMesh], nn.Module]] = {
+    "llama": parallelize_llama
+}
+
+
+def shard_tensor_parallel(
+    model: nn.Module, name: str, *, tp_size: int, device_type: str
+) -> TorchDistributedCommunicator:
+    """FSDP2 × TP for ``spdkfac train --fsdp --tp-size``: ``model`` parallelized in place by
+    its plan on the ``"tp"`` dimension of a 2-D ``(dp, tp)`` mesh over the world (rank
+    ``r`` at ``(r // tp_size, r % tp_size)``), then each of its ``layers`` and the root
+    ``fully_shard``-ed on ``"dp"``. A collective; the process group must exist.
+
+    Returns:
+        The data-parallel communicator of this rank's ``"dp"`` group: the tensor-parallel
+        ranks of one group read the same batch.
+
+    Raises:
+        ValueError: ``tp_size`` does not divide the world, or ``name`` has no plan.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    if world % tp_size:
+        raise ValueError(f"tp_size {tp_size} does not divide the world of {world}")
+    plan = TENSOR_PARALLEL_PLANS.get(name.lower())
+    if plan is None:
+        raise ValueError(f"model {name!r} has no tensor-parallel plan")
+    mesh = init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    plan(model, mesh["tp"])
+    layers = getattr(model, "layers", None)
+    for unit in layers if isinstance(layers, nn.ModuleList) else ():
+        fully_shard(unit, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return TorchDistributedCommunicator(mesh.get_group("dp"))

@@ -1,4 +1,5 @@
-"""Model zoo: an MLP, a small CNN, CIFAR ResNets, a wide ResNet, ImageNet CNNs and a GPT.
+"""Model zoo: an MLP, a small CNN, CIFAR ResNets, a wide ResNet, ImageNet CNNs, a GPT and a
+tiny LLaMA.
 
 Built-in names always build this project's own models; torchvision's are used only when
 asked for with the ``torchvision:`` prefix. :func:`model_kind` says what a model reads:
@@ -18,6 +19,7 @@ from spdkfac.models.cnn import SmallCNN
 from spdkfac.models.densenet import densenet121, densenet201
 from spdkfac.models.gpt import GPT
 from spdkfac.models.imagenet import resnet50, resnet152
+from spdkfac.models.llama import Llama
 from spdkfac.models.mlp import MLP
 from spdkfac.models.resnet import (
     BasicBlock,
@@ -35,6 +37,7 @@ __all__ = [
     "IMAGENET_MODELS",
     "MLP",
     "MODEL_NAMES",
+    "TENSOR_PARALLEL_MODELS",
     "TEXT_MODELS",
     "TORCHVISION_PREFIX",
     "BasicBlock",
@@ -85,8 +88,28 @@ IMAGENET_MODELS: dict[str, Callable[..., nn.Module]] = {
     "densenet201": densenet201,
 }
 
+
+def _llama(
+    vocab_size: int = 256,
+    block_size: int = 128,
+    n_layer: int = 2,
+    n_head: int = 4,
+    d_model: int = 128,
+    dropout: float = 0.0,
+) -> nn.Module:
+    """The tiny LLaMA (:class:`~spdkfac.models.llama.Llama`) from the GPT's keyword sizes
+    (and defaults): a SwiGLU of ``4 * d_model`` units, no positional embedding (the
+    ``block_size`` is the context it is built for), no dropout (only 0 accepted)."""
+    if dropout:
+        raise ValueError(f"llama has no dropout; got dropout={dropout!r}")
+    return Llama(vocab_size, d_model, n_layer, n_head, 4 * d_model, block_size=block_size)
+
+
 #: Language models (token ids in, next-token logits out), built from keyword sizes.
-TEXT_MODELS: dict[str, Callable[..., nn.Module]] = {"gpt": GPT}
+TEXT_MODELS: dict[str, Callable[..., nn.Module]] = {"gpt": GPT, "llama": _llama}
+#: Models with a tensor-parallel plan (``spdkfac train --fsdp --tp-size N``; the plans are
+#: :data:`spdkfac.comm.tensor_parallel_plan.TENSOR_PARALLEL_PLANS`).
+TENSOR_PARALLEL_MODELS: tuple[str, ...] = ("llama",)
 
 #: Every name :func:`build_model` resolves to this project's own implementation.
 BUILTIN_MODEL_NAMES: tuple[str, ...] = (*MODEL_NAMES, *IMAGENET_MODELS, *TEXT_MODELS)
@@ -114,10 +137,11 @@ def build_model(
     """Build a freshly initialized model by name.
 
     Built-in names (:data:`BUILTIN_MODEL_NAMES`: the CIFAR models, the ImageNet
-    ``resnet50``, ``resnet152``, ``densenet121``, ``densenet201`` and the text model
-    ``gpt``) always build this project's own implementation, whether or not torchvision is
-    installed. ``"torchvision:<name>"`` builds ``torchvision.models.get_model(<name>)``
-    without pretrained weights (3-channel input); it needs a working torchvision.
+    ``resnet50``, ``resnet152``, ``densenet121``, ``densenet201`` and the text models
+    ``gpt`` and ``llama``) always build this project's own implementation, whether or not
+    torchvision is installed. ``"torchvision:<name>"`` builds
+    ``torchvision.models.get_model(<name>)`` without pretrained weights (3-channel input);
+    it needs a working torchvision.
 
     Args:
         name: Model name, case-insensitive.

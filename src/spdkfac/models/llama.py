@@ -73,10 +73,16 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Token ids ``[B, T]`` → next-token logits ``[B, T, vocab]``."""
+    """Token ids ``[B, T]`` → next-token logits ``[B, T, vocab]``; ``block_size`` is the
+    context length it is built for (nothing reads it but the simulator: no positional
+    embedding)."""
 
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, hidden: int) -> None:
+    def __init__(
+        self, vocab: int, dim: int, layers: int, heads: int, hidden: int, block_size: int = 128
+    ) -> None:
         super().__init__()
+        self.vocab_size = vocab
+        self.block_size = block_size
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, heads, hidden) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)

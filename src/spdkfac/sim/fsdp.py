@@ -33,7 +33,7 @@ units' all-gathers do not contend with the factor buckets on the link.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from spdkfac.sim.collectives import CollectiveOp
@@ -50,7 +50,9 @@ __all__ = [
     "FsdpResult",
     "fsdp_collectives",
     "fsdp_result",
+    "fsdp_section",
     "fsdp_table",
+    "pass_compute_seconds",
     "simulate_fsdp",
     "units",
 ]
@@ -182,7 +184,8 @@ class FsdpResult:
         return sum(collective.bytes_per_rank for collective in self.collectives)
 
 
-def _compute_seconds(workload: Workload, hardware: Hardware, world_size: int) -> float:
+def pass_compute_seconds(workload: Workload, hardware: Hardware, world_size: int) -> float:
+    """Seconds of the forward and backward ops per rank (what pass collectives hide behind)."""
     costs = WorkloadCosts(workload, hardware, world_size)
     items = (*workload.forward, *workload.backward)
     return sum(costs.op(item) for item in items if isinstance(item, Op))
@@ -208,7 +211,7 @@ def fsdp_result(
     passes = [c.seconds for c in collectives if not c.step]
     exposed = 0.0
     if passes:
-        compute = _compute_seconds(workload, hardware, world)
+        compute = pass_compute_seconds(workload, hardware, world)
         exposed = passes[0] + max(0.0, sum(passes[1:]) - compute)
     step = sum(c.seconds for c in collectives if c.step)
     iteration = ddp.iteration_s - ddp.breakdown["GradComm"] + exposed + step
@@ -258,3 +261,17 @@ def fsdp_table(rows: Sequence[tuple[str, FsdpResult]]) -> str:
             f"| {result.bytes_per_rank / 1e6:.1f} |"
         )
     return "\n".join(lines)
+
+
+def fsdp_section(
+    workload: Workload, hardware: Hardware, results: Mapping[str, StrategyResult]
+) -> str:
+    """A markdown section: labelled data-parallel ``results`` (one world size) of
+    ``workload`` under FSDP2 (``spdkfac simulate --layout fsdp``).
+
+    Raises:
+        ValueError: A strategy that is no row (``"auto"``).
+    """
+    rows = [(label, fsdp_result(ddp, workload, hardware)) for label, ddp in results.items()]
+    world = next(iter(results.values())).world_size
+    return f"\n\n## FSDP2: {workload.model}, {world} workers\n\n{fsdp_table(rows)}"

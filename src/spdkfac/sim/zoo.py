@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,12 +22,27 @@ from spdkfac.models import (
 )
 from spdkfac.sim.workload import Workload, trace_workload
 
-__all__ = ["IMAGENET_MODELS", "SIM_MODEL_NAMES", "ModelEntry", "model_by_name", "workload_for"]
+__all__ = [
+    "IMAGENET_MODELS",
+    "SIM_MODEL_NAMES",
+    "SIM_TEXT_SIZES",
+    "ModelEntry",
+    "model_by_name",
+    "workload_for",
+]
 
 #: Language models (token ids in). Read defensively: the text models are recent in
 #: :mod:`spdkfac.models`, and the simulator must not depend on their being there.
 TEXT_MODELS: Mapping[str, Callable[..., nn.Module]] = getattr(models, "TEXT_MODELS", {})
-SIM_MODEL_NAMES: tuple[str, ...] = (*MODEL_NAMES, *IMAGENET_MODELS, *TEXT_MODELS)
+#: Sized variants of the language models, for projections only (``spdkfac simulate``):
+#: name → (the model, its keyword sizes). ``llama-134m``: the tiny LLaMA at width 1024, 8
+#: blocks of 16 heads, a 1,024-byte context (134.8 M parameters).
+SIM_TEXT_SIZES: Mapping[str, tuple[str, Mapping[str, int]]] = {
+    "llama-134m": ("llama", {"d_model": 1024, "n_layer": 8, "n_head": 16, "block_size": 1024})
+}
+SIM_MODEL_NAMES: tuple[str, ...] = (
+    *MODEL_NAMES, *IMAGENET_MODELS, *TEXT_MODELS, *SIM_TEXT_SIZES
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,8 +95,9 @@ def model_by_name(
             (3, size, size),
             "spdkfac",
         )
-    if key in TEXT_MODELS:
-        text = TEXT_MODELS[key]
+    if key in TEXT_MODELS or key in SIM_TEXT_SIZES:
+        family, sizes = SIM_TEXT_SIZES.get(key, (key, {}))
+        text = partial(TEXT_MODELS[family], **sizes)
         with torch.device("meta"):
             probe: Any = text()  # its default sizes, read without memory
         length = input_size or int(probe.block_size)

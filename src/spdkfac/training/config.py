@@ -14,7 +14,13 @@ from functools import cache
 from typing import Any, get_args
 
 from spdkfac.config import KFACConfig
-from spdkfac.models import BUILTIN_MODEL_NAMES, TORCHVISION_PREFIX, ModelKind, model_kind
+from spdkfac.models import (
+    BUILTIN_MODEL_NAMES,
+    TENSOR_PARALLEL_MODELS,
+    TORCHVISION_PREFIX,
+    ModelKind,
+    model_kind,
+)
 from spdkfac.support.checks import check_choice, check_int, check_number, plain_scalar
 from spdkfac.training.config_files import load_config_file, toml_value
 from spdkfac.training.kfac_options import (
@@ -158,6 +164,7 @@ class TrainConfig:
     collective_timeout: float = 600.0
     fsdp: bool = False
     hsdp_replicas: int | None = None
+    tp_size: int | None = None
     out_dir: str = "runs/train"
     checkpoint_every: int = 0
     resume: bool = False
@@ -222,6 +229,7 @@ class TrainConfig:
             )
         self._check_kinds()
         self._check_fsdp()
+        self._check_tensor_parallel()
         check_optimizer_options(self.optimizer, self.to_dict(), _field_defaults())
         check_recipe(self)
 
@@ -247,6 +255,30 @@ class TrainConfig:
                 "parameters yet; optimizers: sgd, kfac, adamw, kfac-adamw)"
             )
 
+    def _check_tensor_parallel(self) -> None:
+        """``tp_size``: FSDP2 × TP on a ``(dp, tp)`` mesh, for a model with a plan whose
+        attention heads split evenly (the world's divisibility is checked at launch)."""
+        if self.tp_size is None:
+            return
+        check_int("tp_size", self.tp_size, low=2)
+        if not self.fsdp:
+            raise ValueError(
+                f"tp_size {self.tp_size} needs fsdp (tensor parallelism runs under FSDP2 on a "
+                "(dp, tp) mesh)"
+            )
+        if self.hsdp_replicas is not None:
+            raise ValueError("tp_size and hsdp_replicas together (HSDP x TP) are not supported")
+        if self.model.lower() not in TENSOR_PARALLEL_MODELS:
+            raise ValueError(
+                f"model {self.model!r} has no tensor-parallel plan for tp_size; models with "
+                f"one: {', '.join(TENSOR_PARALLEL_MODELS)}"
+            )
+        if self.gpt_heads % self.tp_size:
+            raise ValueError(
+                f"tp_size {self.tp_size} must divide gpt_heads ({self.gpt_heads}): the "
+                "attention heads are split across the tensor-parallel ranks"
+            )
+
     def _plain_numbers(self) -> None:
         """Store numpy scalars and 0-d tensors as the Python numbers they hold (TOML and
         ``weights_only`` checkpoints take only those)."""
@@ -264,7 +296,7 @@ class TrainConfig:
         if reads != holds:
             raise ValueError(
                 f"model {self.model!r} reads {reads} but dataset {self.dataset!r} holds "
-                f"{holds}; pair image models with image datasets and gpt with --dataset "
+                f"{holds}; pair image models with image datasets and gpt or llama with --dataset "
                 "text or gcide"
             )
         if holds == "text":
@@ -274,6 +306,8 @@ class TrainConfig:
                 )
             if self.gpt_dropout >= 1.0:
                 raise ValueError(f"gpt_dropout must be < 1, got {self.gpt_dropout}")
+            if self.gpt_dropout and self.model.lower() == "llama":
+                raise ValueError(f"gpt_dropout {self.gpt_dropout}: llama has no dropout")
             for name in ("mixup_alpha", "random_erasing"):
                 if getattr(self, name) > 0:
                     raise ValueError(f"{name} is an image augmentation; it needs 0 for text")

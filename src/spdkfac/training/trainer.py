@@ -75,7 +75,11 @@ class _Run:
         torch.manual_seed(config.seed)
         self.module = self.task.build_model(config, self.data)
         self.model: nn.Module = self.module
-        if comm.world_size > 1 and config.fsdp:  # sharded in place: model is module
+        # The ranks that read different batches: under --tp-size, one per (dp) group.
+        self.data_comm: Communicator = comm
+        if config.tp_size is not None:
+            self.data_comm = _tensor_parallel(self.module, config, comm)
+        elif comm.world_size > 1 and config.fsdp:  # sharded in place: model is module
             fully_shard_model(
                 self.module,
                 world_size=comm.world_size,
@@ -85,7 +89,10 @@ class _Run:
         elif comm.world_size > 1:
             self.model = nn.parallel.DistributedDataParallel(self.module)
         self.sampler: DistributedSampler[Any] = DistributedSampler(
-            self.data.train, num_replicas=comm.world_size, rank=comm.rank, seed=config.seed
+            self.data.train,
+            num_replicas=self.data_comm.world_size,
+            rank=self.data_comm.rank,
+            seed=config.seed,
         )
         self.steps_per_epoch = -(-len(self.sampler) // config.batch_size)
         self.lr_fn, self.optimizer, self.precond = make_optimizers(
@@ -159,8 +166,9 @@ class _Run:
     # ------------------------------------------------------------------ one step
     def _batch(self, indices: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
         config = self.config
-        generator = torch.Generator().manual_seed(_seed(config, self.comm.rank, self.step))
-        torch.manual_seed(_seed(config, self.comm.rank, self.step) + 1)
+        seed = _seed(config, self.data_comm.rank, self.step)  # equal on tensor-parallel peers
+        generator = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed + 1)
         return self.task.batch(self.data, indices, generator, config, self.mixup)
 
     def _pass(self, inputs: Tensor, targets: Tensor, soft: Tensor | None, part: Tensor) -> Tensor:
@@ -250,7 +258,7 @@ def _loop(run: _Run) -> TrainSummary:
     run.clock.stop()
     if run.saved_step != run.step:
         run.save()
-    final = run.task.final_scores(run.model, run.data, comm)
+    final = run.task.final_scores(run.model, run.data, run.data_comm)
     summary = summarize(
         run.metrics,
         scores=run.task.summary_scores(run.metrics, final, config),
@@ -312,7 +320,7 @@ def _evaluate(run: _Run, epoch_seconds: float, *, reset: bool) -> EpochMetrics:
     comm = run.comm
     finite = [x for x in run.losses if math.isfinite(x)]  # skipped (NaN) steps left out
     mean = comm.all_reduce_average(torch.tensor([sum(finite) / max(len(finite), 1)]))
-    scores = run.task.evaluate(run.model, run.data, comm)
+    scores = run.task.evaluate(run.model, run.data, run.data_comm)
     row = EpochMetrics(
         epoch=epoch_at(run.step, run.steps_per_epoch),
         step=run.step,
@@ -349,8 +357,21 @@ def _replicas_identical(run: _Run) -> bool:
 
 
 def _sharding(config: TrainConfig) -> str:
-    replicas = config.hsdp_replicas
+    replicas, tp = config.hsdp_replicas, config.tp_size
+    if tp is not None:
+        return f"FSDP2 x TP ({tp} tensor-parallel ranks per group)"
     return "FSDP2" if replicas is None else f"HSDP ({replicas} replicas, FSDP2)"
+
+
+def _tensor_parallel(module: nn.Module, config: TrainConfig, comm: Communicator) -> Communicator:
+    """``module`` split by its tensor-parallel plan and sharded by FSDP2 (``--tp-size``);
+    returns the data-parallel communicator."""
+    from spdkfac.comm.tensor_parallel_plan import shard_tensor_parallel
+
+    assert config.tp_size is not None
+    return shard_tensor_parallel(
+        module, config.model, tp_size=config.tp_size, device_type=comm.device.type
+    )
 
 
 def _whole(parameter: Tensor) -> Tensor:
