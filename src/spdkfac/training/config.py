@@ -14,13 +14,7 @@ from functools import cache
 from typing import Any, get_args
 
 from spdkfac.config import KFACConfig
-from spdkfac.models import (
-    BUILTIN_MODEL_NAMES,
-    TENSOR_PARALLEL_MODELS,
-    TORCHVISION_PREFIX,
-    ModelKind,
-    model_kind,
-)
+from spdkfac.models import BUILTIN_MODEL_NAMES, TORCHVISION_PREFIX, ModelKind, model_kind
 from spdkfac.support.checks import check_choice, check_int, check_number, plain_scalar
 from spdkfac.training.config_files import load_config_file, toml_value
 from spdkfac.training.kfac_options import (
@@ -37,6 +31,7 @@ from spdkfac.training.optimizer_table import (
     optimizer_defaults,
 )
 from spdkfac.training.recipe import DEFAULT_BETA2, check_recipe
+from spdkfac.training.sharding_checks import check_sharding
 from spdkfac.types import WeightSharing
 
 __all__ = [
@@ -228,56 +223,9 @@ class TrainConfig:
                 f"({self.evals_per_epoch}), not both"
             )
         self._check_kinds()
-        self._check_fsdp()
-        self._check_tensor_parallel()
+        check_sharding(self)
         check_optimizer_options(self.optimizer, self.to_dict(), _field_defaults())
         check_recipe(self)
-
-    def _check_fsdp(self) -> None:
-        """``fsdp`` trains only with what was tested under it; ``hsdp_replicas`` needs it."""
-        if self.hsdp_replicas is not None:
-            check_int("hsdp_replicas", self.hsdp_replicas, low=1)
-            if not self.fsdp:
-                raise ValueError("hsdp_replicas needs fsdp (HSDP is FSDP2 on a 2-D mesh)")
-        if not self.fsdp:
-            return
-        refused = [
-            ("weight_rescaling", self.weight_rescaling),
-            (
-                f"optimizer {self.optimizer!r}",
-                self.base_optimizer in ("muon", "soap", "eigen-adam", "eigen-adam-muon"),
-            ),
-        ]
-        named = [name for name, given in refused if given]
-        if named:
-            raise ValueError(
-                f"fsdp does not support {', '.join(named)} (not built for sharded "
-                "parameters yet; optimizers: sgd, kfac, adamw, kfac-adamw)"
-            )
-
-    def _check_tensor_parallel(self) -> None:
-        """``tp_size``: FSDP2 × TP on a ``(dp, tp)`` mesh, for a model with a plan whose
-        attention heads split evenly (the world's divisibility is checked at launch)."""
-        if self.tp_size is None:
-            return
-        check_int("tp_size", self.tp_size, low=2)
-        if not self.fsdp:
-            raise ValueError(
-                f"tp_size {self.tp_size} needs fsdp (tensor parallelism runs under FSDP2 on a "
-                "(dp, tp) mesh)"
-            )
-        if self.hsdp_replicas is not None:
-            raise ValueError("tp_size and hsdp_replicas together (HSDP x TP) are not supported")
-        if self.model.lower() not in TENSOR_PARALLEL_MODELS:
-            raise ValueError(
-                f"model {self.model!r} has no tensor-parallel plan for tp_size; models with "
-                f"one: {', '.join(TENSOR_PARALLEL_MODELS)}"
-            )
-        if self.gpt_heads % self.tp_size:
-            raise ValueError(
-                f"tp_size {self.tp_size} must divide gpt_heads ({self.gpt_heads}): the "
-                "attention heads are split across the tensor-parallel ranks"
-            )
 
     def _plain_numbers(self) -> None:
         """Store numpy scalars and 0-d tensors as the Python numbers they hold (TOML and
