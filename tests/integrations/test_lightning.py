@@ -47,7 +47,9 @@ class Regression(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         base = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
-        optimizer = KFACOptimizer(self, base, **OPTIONS)
+        # Over the model Lightning trains (DDP's wrapper under strategy="ddp"): the
+        # preconditioner then leaves the gradient averaging to DDP.
+        optimizer = KFACOptimizer(self.trainer.strategy.model, base, **OPTIONS)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
         return {
             "optimizer": optimizer,
@@ -116,6 +118,14 @@ def test_automatic_optimization_equals_hand_written_loop_and_resumes(tmp_path: P
 
 
 def _ddp_rank(rank: int, world_size: int) -> dict[str, Tensor]:
+    built_over = []
+    init = KFACOptimizer.__init__
+
+    def recording(self: KFACOptimizer, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        built_over.append(type(model))
+        init(self, model, *args, **kwargs)
+
+    KFACOptimizer.__init__ = recording  # type: ignore[method-assign]
     module = Regression()
     # Each rank half of each global batch, in order (Lightning's own sampler shuffles).
     dataset = TensorDataset(*_rows())
@@ -127,6 +137,8 @@ def _ddp_rank(rank: int, world_size: int) -> dict[str, Tensor]:
     )  # fmt: skip
     assert isinstance(trainer.strategy, L.pytorch.strategies.DDPStrategy)
     assert trainer.world_size == world_size and trainer.global_step == STEPS
+    # The recipe built the wrapper over DDP's module, so DDP alone averages the gradients.
+    assert built_over == [nn.parallel.DistributedDataParallel]
     return {name: p.detach().clone() for name, p in module.net.named_parameters()}
 
 
