@@ -168,17 +168,31 @@ def run_ranks(worker: Any, world: int, args: Any) -> dict[int, list[dict[str, An
     return per_rank
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--factor-every", type=int, default=10)
-    parser.add_argument("--inverse-every", type=int, default=25)
+def arguments(doc: str, batch_help: str, **defaults: int) -> argparse.ArgumentParser:
+    """The flags both FSDP benchmarks take, with a script's defaults (``world_size``,
+    ``steps``, ``warmup``, ``batch``, ``seq_len``, ``factor_every``, ``inverse_every``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name, default in defaults.items():
+        help_text = batch_help if name == "batch" else None
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                            help=help_text)  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def publish(text: str, out: Path | None) -> None:
+    """Print the report and write it to ``out`` when given."""
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+
+
+def main() -> None:
+    args = arguments(
+        __doc__, "sequences per rank", world_size=2, steps=60, warmup=10, batch=8,
+        seq_len=128, factor_every=10, inverse_every=25,
+    ).parse_args()  # fmt: skip
     per_rank = run_ranks(_worker, args.world_size, args)
     table_text = table(per_rank, [name for name, _, _ in VARIANTS])
     command = "python benchmarks/perf/bench_fsdp.py " + " ".join(sys.argv[1:])
@@ -190,10 +204,7 @@ def main() -> None:
         "of the slowest rank; memory in MiB per rank (rank 0/rank 1), live local tensors.\n\n"
         f"{table_text}\n"
     )
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,14 @@ markdown table.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bench_fsdp import measure, run_ranks, table  # benchmarks/ is the script's directory
+# benchmarks/perf/ is the script's directory
+from bench_fsdp import arguments, measure, publish, run_ranks, table
 from spdkfac import KFACPreconditioner
 from spdkfac.comm.tensor_parallel_plan import parallelize_llama
 from spdkfac.models.llama import Llama
@@ -94,20 +93,13 @@ def _worker(rank: int, world: int, init: str, args: Any, queue: Any) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step, global")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--factor-every", type=int, default=10)
-    parser.add_argument("--inverse-every", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=None)
+    parser = arguments(
+        __doc__, "sequences per step, global", world_size=4, steps=30, warmup=5, batch=8,
+        seq_len=64, factor_every=10, inverse_every=10,
+    )  # fmt: skip
+    for flag, default in (("--vocab", 256), ("--dim", 128), ("--layers", 2), ("--heads", 4),
+                          ("--hidden", 256)):  # fmt: skip
+        parser.add_argument(flag, type=int, default=default)
     args = parser.parse_args()
     per_rank = run_ranks(_worker, args.world_size, args)
     command = "python benchmarks/perf/bench_tp.py " + " ".join(sys.argv[1:])
@@ -122,10 +114,7 @@ def main() -> None:
         "rank; memory in MiB per rank (rank 0/1/...), live local tensors.\n\n"
         f"{table(per_rank, [name for name, _, _ in VARIANTS])}\n"
     )
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":
