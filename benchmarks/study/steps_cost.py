@@ -19,15 +19,17 @@ from typing import Any
 from study.protocol import Trial
 from study.steps import StepsWorkload, kfac_rows, row_scores, steps_ratio, steps_to, target_of
 
-__all__ = ["COST_ROUNDS", "COST_STEPS", "cost_ratios", "cost_trials"]
+__all__ = ["COST_ROUNDS", "COST_STEPS", "best_scored", "cost_ratios", "cost_trials"]
 
 #: Steps per cost run and rounds of the measurement.
 COST_STEPS, COST_ROUNDS = 200, 5
 
 
-def _best_scored(
+def best_scored(
     workload: StepsWorkload, records: Sequence[dict[str, Any]], row: str, target: float
 ) -> dict[str, Any]:
+    """The row's scored trial with the fewest steps to the target (then the lowest index):
+    the configuration its cost runs use and a recipe's defaults are read from."""
     scored = [
         r
         for r in records
@@ -48,7 +50,7 @@ def cost_trials(workload: StepsWorkload, records: Sequence[dict[str, Any]]) -> l
     trials = []
     for round_ in range(COST_ROUNDS):
         for row in (*workload.baselines, *rows):
-            best = _best_scored(workload, records, row, target.value)
+            best = best_scored(workload, records, row, target.value)
             flags = [*best["flags"], "--max-steps", str(COST_STEPS), "--eval-every",
                      str(COST_STEPS)]  # fmt: skip
             trials.append(Trial(workload.key, row, "cost", round_, best["seed"], best["hparams"],

@@ -20,7 +20,7 @@ from study.steps import (
     steps_to,
     target_of,
 )
-from study.steps_cost import COST_ROUNDS, COST_STEPS, cost_ratios
+from study.steps_cost import COST_ROUNDS, COST_STEPS, best_scored, cost_ratios
 
 __all__ = ["steps_protocol", "steps_ratio_lines", "steps_results", "steps_trials"]
 
@@ -119,6 +119,23 @@ def steps_results(workload: StepsWorkload, records: Sequence[dict[str, Any]]) ->
         median = _steps(sorted(values)[(len(values) - 1) // 2]) if values else "—"
         shown = ", ".join(_steps(v) for v in values) or "—"
         lines.append(f"| {row} | {shown} | {median if len(values) == workload.studies else '—'} |")
+    if scores and all(len(values) == workload.studies for values in scores.values()):
+        lines += [
+            "",
+            "Each row's best scored trial (fewest steps to the target, then the lowest index):",
+            "the configuration its step-cost runs use and a recipe's defaults are read from.",
+            "",
+            "| row | study | # | seed | configuration | steps to target |",
+            "|---|---:|---:|---:|---|---:|",
+        ]
+        for row in scores:
+            best = best_scored(workload, records, row, target.value)
+            hparams = ", ".join(f"{k}={show(v)}" for k, v in best["hparams"].items())
+            study = best["index"] // workload.trials + 1
+            steps = _steps(steps_to(best, workload.metric, target.value))
+            lines.append(
+                f"| {row} | {study} | {best['index']} | {best['seed']} | {hparams} | {steps} |"
+            )
     return lines
 
 

@@ -185,6 +185,17 @@ def test_phases_run_in_order_and_set_the_target_by_algoperfs_rule(tmp_path: Path
         assert _options(record["flags"])["--max-steps"] == "200"
     paces = {r["optimizer"]: r["summary"]["train_seconds"] / r["summary"]["steps"] for r in cost}
     assert f"ratio text: {value * paces[rows[0]] / paces[best]:.2f} (the steps ratio" in report
+    # Each row's cost runs and its line in the report are its fewest-steps scored trial.
+    for row in scores:
+        first = min(
+            (r for r in scored if r["optimizer"] == row),
+            key=lambda r: (steps_to(r, workload.metric, target.value), r["index"]),
+        )
+        assert {json.dumps(r["hparams"]) for r in cost if r["optimizer"] == row} == {
+            json.dumps(first["hparams"])
+        }
+        study = first["index"] // workload.trials + 1
+        assert f"| {row} | {study} | {first['index']} | {first['seed']} | " in report
 
 
 def test_a_row_that_never_reaches_the_target_scores_infinity() -> None:
