@@ -110,17 +110,16 @@ def _exit_on_signal(number: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    common = {
+        "smoke": args.smoke,
+        "trials": args.trials,
+        "seeds": args.seeds,
+        "workers": args.workers,
+        "fashion_data": args.fashion_data,
+        "text_data": args.text_data,
+    }
     try:
-        plan = build_plan(
-            smoke=args.smoke,
-            workloads=args.workloads,
-            optimizers=args.optimizers,
-            trials=args.trials,
-            seeds=args.seeds,
-            workers=args.workers,
-            fashion_data=args.fashion_data,
-            text_data=args.text_data,
-        )
+        plan = build_plan(workloads=args.workloads, optimizers=args.optimizers, **common)
     except ValueError as error:
         parser.error(str(error))
     if args.parallel < 1:
@@ -137,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             command=command,
             single=ProcessLauncher(1),
             parallel=args.parallel,
+            report_plan=build_plan(optimizers=args.optimizers, **common),  # every workload
         )
     except ProtocolMismatchError as error:
         print(f"study: error: {error}", file=sys.stderr)

@@ -97,10 +97,13 @@ def run_study(
     log: Callable[[str], None] = print,
     single: Launcher | None = None,
     parallel: int = 1,
+    report_plan: StudyPlan | None = None,
 ) -> TrialStore:
     """Run what is missing of ``phases`` (none: only rewrite the report), then write
     ``out/report.md``; the record. ``single`` launches the one-process runs of the
     steps-scored workloads (default: ``launcher``), ``parallel`` of them at a time.
+    ``report_plan`` is what the report covers (default: ``plan``): the whole study, so that
+    a run limited to some workloads or optimizers still writes every one's sections.
 
     Raises:
         study.store.ProtocolMismatchError: ``out`` holds a study under another protocol.
@@ -124,7 +127,7 @@ def run_study(
             return run_trial(trial, out, chosen, store, timeout=timeout, workers=workers)
 
         _run_all(missing, run, phase, log, parallel if phase in STEPS_PHASES else 1)
-    path = write_report(plan, store.records, out, command)
+    path = write_report(report_plan or plan, store.records, out, command)
     log(f"report: {path}")
     return store
 

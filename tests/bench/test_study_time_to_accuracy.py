@@ -234,6 +234,14 @@ def test_another_protocol_is_refused_but_workloads_may_come_one_at_a_time(
     code = study_time_to_accuracy.main(["--smoke", "--workloads", "text", "--optimizers",
                                         "adamw", "--out", str(tmp_path)])  # fmt: skip
     assert code == 2  # refused (6 trials, not 1) before launching anything
+    # A report rewritten by a run limited to one workload still covers every workload.
+    (tmp_path / "report.md").unlink()
+    code = study_time_to_accuracy.main(["--smoke", "--workloads", "text", "--optimizers",
+                                        "sgd,kfac,adamw", "--trials", "1", "--seeds", "",
+                                        "--phase", "report", "--out", str(tmp_path)])  # fmt: skip
+    report = (tmp_path / "report.md").read_text()
+    assert code == 0 and "--workloads text" in report
+    assert "ratio fashion-mnist" in report and "### Workload fashion-mnist" in report
 
 
 def test_a_retired_revision_keeps_its_trials_in_the_report_and_out_of_the_results(
