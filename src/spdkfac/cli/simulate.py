@@ -140,7 +140,8 @@ def add_parser(verbs: Any) -> None:
         default="paper",
         help="hardware: cpu (this machine), paper (the SPD-KFAC paper's cluster: its α-β "
         "at 64 GPUs, a ring across 4-GPU nodes elsewhere), or the paper's GPUs on "
-        "paper-nccl, ib100, ib200, ib400, eth10 (8-GPU nodes; see docs/cli.md)",
+        f"{', '.join(name for name in PRESETS if name not in ('cpu', 'paper'))} (8-GPU "
+        "nodes, abci's 4; see docs/cli.md)",
     )
     add(
         "--cost-model",

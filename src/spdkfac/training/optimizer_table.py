@@ -43,7 +43,7 @@ _MUON_SCALE = (
 _EIGEN_ADAM_SCALE = "the eigen-adam form's direction carries Adam's own scale (no KL clip)"
 _NO_ADAMW = (
     "it has no AdamW part (beta2 is AdamW's: adamw, kfac-adamw, and the AdamW part of "
-    "muon and the kfac-muon and kfac-eigen-adam rows)"
+    "muon and the kfac-muon, kfac-eigen-adam and kfac-eigen-adam-muon rows)"
 )
 _NO_SOAP = "it is not SOAP (precondition_frequency is SOAP's eigenbasis refresh interval)"
 _NORMS_ARE_ADAMWS = "the recipe's K-FAC takes the hidden Linear layers only; norms are AdamW's"
