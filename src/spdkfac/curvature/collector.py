@@ -55,6 +55,16 @@ def _no_autocast(tensor: Tensor) -> torch.autocast:
     return torch.autocast(device_type=tensor.device.type, enabled=False)
 
 
+def _keys_by_pass(blocks: Sequence[CurvatureBlock]) -> dict[tuple[str, bool], tuple[str, ...]]:
+    """Each block's slot keys by ``(name, forward)``: those of the forward pass (True) and
+    those of the backward pass."""
+    return {
+        (block.name, forward): tuple(s.key for s in block.slots() if s.forward == forward)
+        for block in blocks
+        for forward in (True, False)
+    }
+
+
 @dataclass(frozen=True, kw_only=True)
 class CollectorSettings:
     """The options of a factor collector, the same for every composition.
@@ -124,16 +134,10 @@ class FactorCollector:
         slots = [slot for block in blocks for slot in block.slots()]
         self._slots = {slot.key: slot for slot in slots}
         self._pending = {slot.key: FactorAccumulator() for slot in slots}
-        self._keys = {
-            (block.name, forward): tuple(s.key for s in block.slots() if s.forward == forward)
-            for block in blocks
-            for forward in (True, False)
-        }
+        self._keys = _keys_by_pass(blocks)
         self._labels = {pair: "+".join(keys) for pair, keys in self._keys.items()}
         # Blocks another rank of this rank's group forms the statistics of.
-        self._elsewhere = frozenset(
-            block.name for block in blocks if share is not None and not share.computes(block.name)
-        )
+        self._elsewhere = frozenset(b.name for b in blocks if share and not share.computes(b.name))
         wide = any(block.dtype == torch.float64 for block in blocks)
         self._dtype = torch.float64 if wide else torch.float32
         self._dense = [(slot.key, slot.shape) for slot in slots if not slot.symmetric]
