@@ -3,7 +3,9 @@ forms the statistics of its own blocks only (its ``kfac/factor_compute/<layer>/�
 the group's ranks together every block exactly once as the planner splits them by
 ``d_in² + d_out²``, and after the exchange every rank holds the factors single-process
 float64 K-FAC computes on the global batch — at TP 2 (torchtitan's sequence-parallel plan,
-pipelined and owner-computes exchanges) and under FSDP2 × TP on a 2 × 2 mesh."""
+pipelined and owner-computes exchanges) and under FSDP2 × TP on a 2 × 2 mesh; given the
+data-parallel group as its process group, a preconditioner forms every block on every
+rank (the group's other ranks are not in its exchange)."""
 
 from __future__ import annotations
 
@@ -37,10 +39,14 @@ NORMS = ("norm1", "norm2", "norm3")
 STRATEGIES = ("spd-kfac", "osawa")
 
 
-def _first_step(model: nn.Module, part: tuple[int, int], strategy: str) -> dict[str, Any]:
+def _first_step(
+    model: nn.Module, part: tuple[int, int], strategy: str, group: Any = None
+) -> dict[str, Any]:
     """One factor step on rows ``part`` of the first global batch: the blocks whose
     statistics this rank formed (from its profiler's spans) and every factor after it."""
-    precond = KFACPreconditioner(model, profile=True, strategy=strategy, **OPTIONS)
+    precond = KFACPreconditioner(
+        model, profile=True, strategy=strategy, process_group=group, **OPTIONS
+    )
     inputs, targets = tp_batch(0)
     begin, end = part
     logits = model(inputs[begin:end])
@@ -81,29 +87,35 @@ def _fsdp_tp_worker(rank: int, world_size: int) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
     dp = mesh.get_local_rank("dp")
-    model = fully_shard(parallelize(block(), mesh["tp"], sequence=True), mesh=mesh["dp"])
-    return {"spd-kfac": _first_step(model, (2 * dp, 2 * dp + 2), "spd-kfac")}
+    part = (2 * dp, 2 * dp + 2)
+    out = {}
+    for group in (None, mesh.get_group("dp")):
+        model = fully_shard(parallelize(block(), mesh["tp"], sequence=True), mesh=mesh["dp"])
+        out["world" if group is None else "dp"] = _first_step(model, part, "spd-kfac", group)
+    return out
 
 
 def _check(results: list[dict[str, Any]], tp: int) -> None:
-    """Rank ``r`` formed exactly the blocks the split gives rank ``r % tp`` of its group;
-    its factors are the single-process reference's."""
+    """Rank ``r`` formed exactly the blocks the split gives rank ``r % tp`` of its group
+    (every block with the ``dp`` group); its factors are the single-process reference's."""
     split = plan_factor_split(COSTS, tp)
     reference = _first_step(block(), (0, 4), "spd-kfac")
     assert reference["formed"] == sorted(name for name, _ in COSTS)
     held: dict[str, set[str]] = {}
     for rank, out in enumerate(results):
-        for strategy, got in out.items():
-            label = f"rank {rank} {strategy}"
-            assert got["formed"] == sorted(split.blocks_of(rank % tp)), label
-            held.setdefault(strategy, set()).update(got["factors"])
+        for case, got in out.items():
+            label = f"rank {rank} {case}"
+            everything = [name for name, _ in COSTS]
+            expected = everything if case == "dp" else split.blocks_of(rank % tp)
+            assert got["formed"] == sorted(expected), label
+            held.setdefault(case, set()).update(got["factors"])
             for key, value in got["factors"].items():
                 expected = reference["factors"][key]
                 torch.testing.assert_close(
                     value, expected, rtol=1e-10, atol=1e-12, msg=f"{label} {key}"
                 )
-    for strategy, keys in held.items():
-        assert keys == set(reference["factors"]), strategy
+    for case, keys in held.items():
+        assert keys == set(reference["factors"]), case
 
 
 def test_each_tensor_parallel_rank_forms_its_share_of_the_factors() -> None:
