@@ -1,7 +1,8 @@
 """FSDP2 × TP K-FAC priced by the simulator (``spdkfac.sim.tensor_parallel``): the plan's
 volumes against the elements the tensor-parallel layout actually gathers in a world-2 run
-of the tiny LLaMA under torchtitan's plan, the limit cases (one rank per group is FSDP2
-alone), growth with the group, the refusals and ``spdkfac simulate --tp-size``."""
+of the tiny LLaMA under torchtitan's plan, and its factor split against the blocks each
+rank of that run forms, the limit cases (one rank per group is FSDP2 alone), growth with
+the group, the refusals and ``spdkfac simulate --tp-size``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from spdkfac.sim.tensor_parallel import (
     COLUMN,
     ROW,
     check_tensor_parallel,
+    factor_split,
     tensor_parallel_plan,
     tensor_parallel_result,
 )
@@ -23,10 +25,11 @@ from spdkfac.sim.workload import Workload, trace_workload
 from spdkfac.sim.zoo import workload_for
 
 
-def _gathered(rank: int, world_size: int) -> dict[str, int]:
+def _gathered(rank: int, world_size: int) -> dict[str, Any]:
     """Elements of every DTensor ``full_tensor`` that moves data (a placement not
     ``Replicate``) while the capture runs (forward and backward) and in ``step()`` (the
-    gradient reads), on a 2-rank tensor-parallel LLaMA's first step."""
+    gradient reads), on a 2-rank tensor-parallel LLaMA's first step; and the layers whose
+    factors the rank formed (its ``kfac/factor_compute/<layer>/A|G`` spans)."""
     import torch
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -39,7 +42,7 @@ def _gathered(rank: int, world_size: int) -> dict[str, int]:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     model = parallelize_llama(llama(), mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    precond = KFACPreconditioner(model, optimizer=optimizer, factor_update_steps=1)
+    precond = KFACPreconditioner(model, optimizer=optimizer, factor_update_steps=1, profile=True)
     counts, phase, original = {"capture": 0, "read": 0}, ["capture"], DTensor.full_tensor
 
     def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -56,7 +59,9 @@ def _gathered(rank: int, world_size: int) -> dict[str, int]:
         precond.step()
     finally:
         DTensor.full_tensor = original  # type: ignore[method-assign]
-    return counts
+    spans = [event.name.split("/") for event in precond.profiler.events()]
+    formed = {parts[2] for parts in spans if parts[1] == "factor_compute" and len(parts) == 4}
+    return {**counts, "formed": formed}
 
 
 def _tiny_llama_workload(batch_per_rank: int) -> Workload:
@@ -72,9 +77,13 @@ def test_priced_volumes_are_what_the_layout_gathers() -> None:
     """The capture's all-gathers and the gradient reads' over ``tp``, element for element:
     the world-2 run's global batch of 4 sequences is 2 per rank in the workload."""
     results = run_distributed(_gathered, 2, timeout=120, env={"OMP_NUM_THREADS": "1"})
-    plan = tensor_parallel_plan(_tiny_llama_workload(2), 2)
-    for counts in results:
+    workload = _tiny_llama_workload(2)
+    plan = tensor_parallel_plan(workload, 2)
+    split = factor_split(workload, 2)
+    for rank, counts in enumerate(results):
+        formed = counts.pop("formed")
         assert counts == {"capture": plan.capture_elements, "read": plan.tp_read_elements}
+        assert formed == split.blocks_of(rank) and formed, (rank, formed)
     splits = {layer.name.rsplit(".", 1)[-1]: layer.split for layer in plan.layers}
     assert splits["wo"] is splits["w2"] is ROW and splits["output"] is splits["wq"] is COLUMN
 
@@ -96,7 +105,10 @@ def test_one_rank_per_group_is_fsdp2_alone(llama_workload: Workload) -> None:
 
 def test_the_exchange_grows_with_the_group(llama_workload: Workload) -> None:
     """The capture gathers the group's tokens (linear in tp); FSDP2's shards shrink; the
-    extra factor rows grow; AdamW pays no K-FAC part."""
+    factors are split across the group, each layer formed once, balanced by their Gram
+    costs, and what the most loaded rank adds stays below the tp − 1 times a rank's own
+    factor products that forming every layer on every rank adds; AdamW pays no K-FAC
+    part."""
     plans = [tensor_parallel_plan(llama_workload, tp) for tp in (1, 2, 4, 8)]
     for plan in plans:
         assert plan.capture_elements == plan.tp * plans[0].capture_elements
@@ -106,13 +118,22 @@ def test_the_exchange_grows_with_the_group(llama_workload: Workload) -> None:
     shards = [sum(n for _, n in plan.shard_elements) for plan in plans]
     assert shards == sorted(shards, reverse=True) and shards[-1] < shards[0] / 4
     hardware = resolve_hardware("ib200", None)
-    extra = []
+    products = sum(
+        hardware.factor_seconds(llama_workload, layer, kind)
+        for layer in llama_workload.layers
+        for kind in ("A", "G")
+    )
     for tp in (2, 4, 8):
         sgd = simulate_strategy(llama_workload, hardware, 64, "sgd")
         assert tensor_parallel_result(sgd, llama_workload, hardware, tp).capture_s == 0.0
         kfac = simulate_strategy(llama_workload, hardware, 64, "spd-kfac")
-        extra.append(tensor_parallel_result(kfac, llama_workload, hardware, tp).factor_extra_s)
-    assert extra == sorted(extra) and extra[0] > 0
+        result = tensor_parallel_result(kfac, llama_workload, hardware, tp)
+        names = [layer.name for layer in llama_workload.layers]
+        assert result.split.group_size == tp and result.split.blocks == tuple(names)
+        assert sorted(n for r in range(tp) for n in result.split.blocks_of(r)) == sorted(names)
+        loads = result.split.loads()
+        assert max(loads) <= min(loads) + max(result.split.costs)
+        assert 0.0 <= result.factor_extra_s < (tp - 1) * products
 
 
 def test_refusals(llama_workload: Workload) -> None:

@@ -10,7 +10,8 @@ re-exchanged, :attr:`ExchangeResult.revise`) and a flag for ranks whose gradient
 finite. Every rank ends with ``Σ_r w_r F_r / Σ_r w_r``: the example-weighted global
 average, the same as single-process K-FAC on the concatenated batch, still packed: running
 averages are elementwise, so factors stay packed until (and only where) one is inverted.
-A rank that did not use a layer sends zeros with weight 0, so the collectives never
+A rank that did not use a layer, or whose tensor-parallel group left the layer's
+statistics to another of its ranks, sends zeros with weight 0, so the collectives never
 depend on local data or on the order hooks fire in.
 
 With ``owners`` (Osawa et al. 2019, Sec. 3: ReduceScatterV), each bucket is laid out by
@@ -181,8 +182,10 @@ class FactorExchange:
         owner = self._owners[key]
         return owner if owner >= 0 else self._communicator.world_size
 
-    def add(self, key: str, factor: Tensor, weight: float) -> bool:
-        """Contribute this rank's final factor for ``key`` this step.
+    def add(self, key: str, factor: Tensor | None, weight: float) -> bool:
+        """Contribute this rank's final factor for ``key`` this step (None: nothing from
+        this rank, zeros with weight 0, e.g. a factor another rank of a tensor-parallel
+        group forms).
 
         Returns:
             False when ``key`` was already added this step (the call is ignored).
@@ -196,10 +199,11 @@ class FactorExchange:
         if bucket < self._next:  # launched already (flushed): counts with weight 0
             self.late.add(key)
             return True
-        size = packed_size(self._dims[key])
-        target = self._buffers[bucket][offset : offset + size]
-        target.copy_(pack_triu(factor).mul_(weight) if weight != 1 else pack_triu(factor))
-        self._weights[self._index[key]] = weight
+        if factor is not None:  # else the zeroed buffer stays, weight 0
+            size = packed_size(self._dims[key])
+            target = self._buffers[bucket][offset : offset + size]
+            target.copy_(pack_triu(factor).mul_(weight) if weight != 1 else pack_triu(factor))
+            self._weights[self._index[key]] = weight
         self._missing[bucket] -= 1
         if self._plan.eager:
             self._launch_ready()

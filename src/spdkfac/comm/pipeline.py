@@ -147,11 +147,11 @@ class FactorPipeline:
         return not self._policy.measured or self._factor_steps >= self._warmup_steps
 
     def hand_over(
-        self, key: str, factor: torch.Tensor, weight: float, *, in_pass: bool = True
+        self, key: str, factor: torch.Tensor | None, weight: float, *, in_pass: bool = True
     ) -> bool:
         """Give the exchange this rank's final factor for ``key`` (from a hook, or at the
-        step with ``in_pass=False``). The first hand-over of a pass opens the scheduler's
-        window.
+        step with ``in_pass=False``; None with weight 0: another rank forms it). The first
+        hand-over of a pass opens the scheduler's window.
 
         Returns:
             False when ``key`` was already handed over this step (ignored).
@@ -337,7 +337,9 @@ class LocalFactorExchange:
         """None: nothing is exchanged."""
         return None
 
-    def hand_over(self, key: str, factor: Tensor, weight: float, *, in_pass: bool = True) -> bool:
+    def hand_over(
+        self, key: str, factor: Tensor | None, weight: float, *, in_pass: bool = True
+    ) -> bool:
         """Keep ``factor`` as the step's global factor of ``key``; False when repeated."""
         if key in self._factors:
             return False

@@ -32,6 +32,7 @@ __all__ = [
     "TensorParallelGradients",
     "check_tensor_parallel",
     "is_tensor_parallel",
+    "tensor_parallel_group",
 ]
 
 #: What the tensor-parallel layout accepts, for error messages.
@@ -95,6 +96,23 @@ def check_tensor_parallel(model: nn.Module) -> None:
                 f"{dtensor.device_mesh.size()} of {world} ranks {how}: the other ranks' data "
                 f"parallelism is not one spdkfac can see; supported: {SUPPORTED_TENSOR_PARALLEL}"
             )
+
+
+def tensor_parallel_group(model: nn.Module) -> tuple[int, int, int]:
+    """This rank's index within its tensor-parallel group, the group's size and the size
+    of the whole mesh, read from the mesh of a parameter tensor parallelism placed (no
+    collective): its last dimension is the group's (FSDP2 puts its data-parallel dimension
+    first on a 2-D mesh). A model :func:`check_tensor_parallel` accepted."""
+    fully_sharded = any(isinstance(module, FSDPModule) for module in model.modules())
+    for param in model.parameters():
+        if not isinstance(param, DTensor):
+            continue
+        if fully_sharded and tuple(param.placements) in _FSDP_PLACEMENTS:
+            continue  # FSDP2's own rows: a module left out of the plan
+        mesh = param.device_mesh
+        dim = mesh.ndim - 1
+        return mesh.get_local_rank(dim), mesh.size(dim), mesh.size()
+    raise ValueError(f"model: no tensor-parallel parameter ({SUPPORTED_TENSOR_PARALLEL})")
 
 
 class TensorParallelGradients:

@@ -10,6 +10,13 @@ marks travel with the step's weights, and every rank then exchanges the marked s
 again, complete: one more collective on the steps where counts grew, none otherwise. A
 group of one uses an exchange that completes at once, so there is one code path whatever
 the world size.
+
+Where ranks read the same batch (a tensor-parallel group), the layout's
+:class:`~spdkfac.planning.factor_split.FactorShare` says which blocks this rank forms the
+statistics of; a call of any other block is counted, its statistic not formed, and its
+slots handed over empty (zeros with weight 0) when the calls are complete, as the rank
+forming it hands over its own: the exchange divides by the summed weights, so the
+average is the same, and every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from spdkfac.curvature.block import Contribution, CurvatureBlock
 from spdkfac.curvature.capture import ActivationCapture
 from spdkfac.curvature.state import FactorAccumulator
 from spdkfac.linalg import is_finite
+from spdkfac.planning.factor_split import FactorShare
 from spdkfac.planning.fusion import FusionPlan
 from spdkfac.profiling import Phase, Profiler, span_name
 
@@ -45,6 +53,16 @@ def _no_autocast(tensor: Tensor) -> torch.autocast:
     """Factors are statistics kept in at least float32: a user's autocast region around the
     forward must not silently lower their precision (use ``factor_options`` for that)."""
     return torch.autocast(device_type=tensor.device.type, enabled=False)
+
+
+def _keys_by_pass(blocks: Sequence[CurvatureBlock]) -> dict[tuple[str, bool], tuple[str, ...]]:
+    """Each block's slot keys by ``(name, forward)``: those of the forward pass (True) and
+    those of the backward pass."""
+    return {
+        (block.name, forward): tuple(s.key for s in block.slots() if s.forward == forward)
+        for block in blocks
+        for forward in (True, False)
+    }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +97,7 @@ class FactorCollector:
         enabled: Called once per forward: whether this step's passes are captured.
         grad_scale: Returns the loss scale of a ``GradScaler`` (None without one).
         profiler: Where spans are recorded.
+        share: The blocks this rank forms the statistics of (the layout's; None: all).
     """
 
     def __init__(
@@ -91,6 +110,7 @@ class FactorCollector:
         enabled: Callable[[], bool],
         grad_scale: Callable[[], float] | None = None,
         profiler: Profiler,
+        share: FactorShare | None = None,
     ) -> None:
         self._blocks = {block.name: block for block in blocks}
         self._examples = settings.examples
@@ -114,11 +134,10 @@ class FactorCollector:
         slots = [slot for block in blocks for slot in block.slots()]
         self._slots = {slot.key: slot for slot in slots}
         self._pending = {slot.key: FactorAccumulator() for slot in slots}
-        self._labels = {
-            (block.name, forward): "+".join(s.key for s in block.slots() if s.forward == forward)
-            for block in blocks
-            for forward in (True, False)
-        }
+        self._keys = _keys_by_pass(blocks)
+        self._labels = {pair: "+".join(keys) for pair, keys in self._keys.items()}
+        # Blocks another rank of this rank's group forms the statistics of.
+        self._elsewhere = frozenset(b.name for b in blocks if share and not share.computes(b.name))
         wide = any(block.dtype == torch.float64 for block in blocks)
         self._dtype = torch.float64 if wide else torch.float32
         self._dense = [(slot.key, slot.shape) for slot in slots if not slot.symmetric]
@@ -163,12 +182,18 @@ class FactorCollector:
         label = self._labels[(name, True)]
         if not label:
             return
+        if name in self._elsewhere:
+            self._count_elsewhere(self._keys[(name, True)])
+            return
         with self._profiler.span(span_name(Phase.FACTOR_COMPUTE, label)), _no_autocast(inputs):
             self._add(self._blocks[name].capture_input(inputs[: self._examples]), correction=1.0)
 
     def _on_grad_output(self, name: str, module: nn.Module, inputs: Tensor, grad: Tensor) -> None:
         if self._expected is None:
             self._passes.setdefault(name, set()).add(torch._C._current_graph_task_id())
+        if name in self._elsewhere:
+            self._count_elsewhere(self._keys[(name, False)])
+            return
         label = self._labels[(name, False)]
         correction = self._correction()
         kept = self._examples
@@ -201,18 +226,27 @@ class FactorCollector:
                 statistic.mul_(correction)
             pending = self._pending[key]
             pending.add(statistic, weight)
-            expected = None if self._expected is None else self._expected.get(key)
-            final = expected is not None and pending.calls >= expected
-            if self._exchange.pipelined and self._slots[key].symmetric and final:
-                self._hand_over(key, pending)
+            self._arrived(key, pending)
+
+    def _count_elsewhere(self, keys: Sequence[str]) -> None:
+        """A call of a block another rank of the group forms the statistics of: counted,
+        so that its slots are handed over (empty) when the calls are complete."""
+        for key in keys:
+            pending = self._pending[key]
+            pending.count()
+            self._arrived(key, pending)
+
+    def _arrived(self, key: str, pending: FactorAccumulator) -> None:
+        expected = None if self._expected is None else self._expected.get(key)
+        final = expected is not None and pending.calls >= expected
+        if self._exchange.pipelined and self._slots[key].symmetric and final:
+            self._hand_over(key, pending)
 
     def _hand_over(self, key: str, pending: FactorAccumulator) -> None:
-        """Give the statistic to the exchange once it has the calls expected of it; a
-        call after that marks the slot grown (exchanged again at the step)."""
-        mean = pending.mean()
-        if mean is None:
-            return
-        if self._exchange.hand_over(key, mean, float(pending.weight)):
+        """Give the statistic to the exchange once it has the calls expected of it (None
+        with weight 0 for a block formed elsewhere); a call after that marks the slot
+        grown (exchanged again at the step)."""
+        if self._exchange.hand_over(key, pending.mean(), float(pending.weight)):
             if not self._slots[key].forward and self._exchange.window_planned:
                 self._end_pass_at_backward_end()
             return
@@ -236,10 +270,10 @@ class FactorCollector:
     def _hand_over_rest(self) -> None:
         """Statistics from fewer passes than ``accumulation_steps``, not handed over yet."""
         for key, pending in self._pending.items():
-            if self._slots[key].symmetric and not self._exchange.is_handed_over(key):
-                mean = pending.mean()
-                if mean is not None:
-                    self._exchange.hand_over(key, mean, float(pending.weight), in_pass=False)
+            symmetric = self._slots[key].symmetric
+            if symmetric and pending.calls and not self._exchange.is_handed_over(key):
+                mean, weight = pending.mean(), float(pending.weight)
+                self._exchange.hand_over(key, mean, weight, in_pass=False)
 
     def _learn_calls(self) -> None:
         """On the first factor step: how many calls make each slot final, and a warning

@@ -43,6 +43,10 @@ class FactorAccumulator:
         self.weight += weight
         self.calls += 1
 
+    def count(self) -> None:
+        """Count one call whose statistic another rank forms (nothing added, weight 0)."""
+        self.calls += 1
+
     def mean(self) -> Tensor | None:
         """The weighted mean of what was added, or None when nothing was."""
         if self.total is None:

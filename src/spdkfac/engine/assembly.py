@@ -19,13 +19,14 @@ from spdkfac.engine.final import EngineParts, FinalStage, StageInputs
 from spdkfac.engine.inversion import InversePhase, ResultDelivery
 from spdkfac.engine.owners import OwnerStage
 from spdkfac.engine.replicated import ReplicatedStage
+from spdkfac.planning.factor_split import gram_cost
 from spdkfac.planning.final import LAYER_PATHS, OWNER_COMPUTES, REPLICATED, FinalPolicy
 from spdkfac.planning.paths import LayerGradient
 from spdkfac.planning.placement import Plan
 from spdkfac.planning.schedule import FACTORS, GRADIENTS
 from spdkfac.strategies import Strategy
 
-__all__ = ["FINAL_STAGES", "Assembler", "Stages", "layer_gradients"]
+__all__ = ["FINAL_STAGES", "Assembler", "Stages", "factor_costs", "layer_gradients"]
 
 #: The final stage each final-stage policy builds.
 FINAL_STAGES: Mapping[FinalPolicy, Callable[[StageInputs], FinalStage]] = MappingProxyType(
@@ -45,6 +46,15 @@ def layer_gradients(blocks: Sequence[CurvatureBlock]) -> list[LayerGradient]:
             elements = shapes["g_factor"][0] * shapes["a_factor"][0]
             layers.append(LayerGradient(block.name, elements, tuple(specs)))
     return layers
+
+
+def factor_costs(blocks: Sequence[CurvatureBlock]) -> list[tuple[str, float]]:
+    """Each block's name and the Gram cost of its statistics (``d_in² + d_out²`` for a
+    Kronecker block), as the factor split sees them."""
+    return [
+        (block.name, gram_cost([(slot.shape, slot.symmetric) for slot in block.slots()]))
+        for block in blocks
+    ]
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,8 @@ class Assembler:
         eager = any(row.fusion is not None and row.fusion.eager for row in rows)
         self._pipeline_group = communicator.duplicate() if several and eager else None
         self.hooks: SwitchableHook | None = None
+        #: Which blocks' statistics this rank forms (its tensor-parallel group's split).
+        self.share = parts.layout.factor_share(communicator, factor_costs(parts.blocks))
         owners = any(row.final.owners_precondition for row in rows)
         if parts.layout.routes_gradients and (self.scheduler is not None or owners):
             self.hooks = SwitchableHook(self.scheduler)
@@ -127,6 +139,7 @@ class Assembler:
             enabled=parts.enabled,
             grad_scale=parts.grad_scale,
             profiler=parts.profiler,
+            share=self.share,
         )
         return Stages(composition, final, inverses, collector)
 

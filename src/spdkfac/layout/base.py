@@ -1,11 +1,12 @@
 """The parameter-layout seam: what the engine asks of where parameters and gradients live.
 
-A layout answers four questions, so that nothing else in the package assumes a plain or
+A layout answers five questions, so that nothing else in the package assumes a plain or
 ``DistributedDataParallel`` model: which module holds the user's layers (names, hooks,
 state keys are the user's), how a parameter's full gradient is read and written, over
-which ranks the KL clip's partial sum must still be reduced, and whether the wrapper's
-gradient reduction can be routed through a communication hook of the preconditioner's
-(the owner-computes exchange, the priority scheduler). A new wrapper (FSDP2's
+which ranks the KL clip's partial sum must still be reduced, which blocks' factor
+statistics this rank forms (ranks that read the same batch split them), and whether the
+wrapper's gradient reduction can be routed through a communication hook of the
+preconditioner's (the owner-computes exchange, the priority scheduler). A new wrapper (FSDP2's
 ``fully_shard``) is one new class, chosen in :func:`spdkfac.layout.layout_of`.
 """
 
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from spdkfac.comm import Communicator
 from spdkfac.layers import GradientAccess
+from spdkfac.planning.factor_split import FactorShare
 
 __all__ = ["GradientHook", "ParameterLayout", "unwrap_compiled"]
 
@@ -61,6 +63,16 @@ class ParameterLayout(Protocol):
         :attr:`gradients` where every rank holds whole gradients; under FSDP2 each owner's
         gathered ones (a collective over ``communicator``, on every rank, with the same
         ``params`` and ``owners``, ``EVERYONE`` for parameters every rank reads)."""
+        ...
+
+    def factor_share(
+        self, communicator: Communicator, blocks: Sequence[tuple[str, float]]
+    ) -> FactorShare:
+        """Which of ``blocks`` (``(name, Gram cost)``, in the same order on every rank)
+        this rank forms the factor statistics of: every one where no other rank of
+        ``communicator`` reads this rank's batch; under tensor parallelism its share of
+        its group's :func:`~spdkfac.planning.factor_split.plan_factor_split` (no
+        collective)."""
         ...
 
     def clip_sum(self, partial: float) -> float:

@@ -13,6 +13,7 @@ from spdkfac.comm import Communicator
 from spdkfac.comm.sharded import ShardedGradients, check_sharding
 from spdkfac.layers import GradientAccess
 from spdkfac.layout.base import GradientHook
+from spdkfac.planning.factor_split import FactorShare
 
 __all__ = ["FullyShardedLayout"]
 
@@ -49,6 +50,11 @@ class FullyShardedLayout:
         self, communicator: Communicator, params: Sequence[Tensor], owners: Sequence[int]
     ) -> GradientAccess:
         return self._sharded.gather_to_owners(communicator, params, owners)
+
+    def factor_share(
+        self, communicator: Communicator, blocks: Sequence[tuple[str, float]]
+    ) -> FactorShare:
+        return FactorShare.whole(blocks)
 
     def clip_sum(self, partial: float) -> float:
         return partial

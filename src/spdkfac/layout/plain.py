@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from spdkfac.comm import Communicator
 from spdkfac.layers import LOCAL_GRADIENTS, GradientAccess
 from spdkfac.layout.base import GradientHook, unwrap_compiled
+from spdkfac.planning.factor_split import FactorShare
 
 __all__ = ["PlainLayout"]
 
@@ -36,6 +37,11 @@ class PlainLayout:
         self, communicator: Communicator, params: Sequence[Tensor], owners: Sequence[int]
     ) -> GradientAccess:
         return self.gradients
+
+    def factor_share(
+        self, communicator: Communicator, blocks: Sequence[tuple[str, float]]
+    ) -> FactorShare:
+        return FactorShare.whole(blocks)
 
     def clip_sum(self, partial: float) -> float:
         return partial

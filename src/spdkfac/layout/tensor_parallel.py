@@ -1,11 +1,13 @@
 """A tensor-parallel model (DTensor ``parallelize_module``: column- and row-wise Linear
 layers, sequence-parallel norms), alone on a 1-D mesh or under FSDP2 on a 2-D
 ``(dp, tp)`` mesh. The capture reads every sharded layer input and output gradient whole
-(so each rank's factors are the unsharded model's on its data-parallel batch), the factor
-exchange averages them over the world (the tensor-parallel ranks of one batch hold equal
-ones), and the preconditioner reads each block's whole gradient and writes back this
-rank's shard: each rank ends with its shard of the unsharded model's preconditioned
-gradient."""
+on every rank (the same collectives everywhere), so the ranks of a tensor-parallel group
+see the same rows of the unsharded model; each block's factor statistics are formed by
+one rank of the group (:func:`~spdkfac.planning.factor_split.plan_factor_split`), the
+others sending zeros with weight 0, and the factor exchange's example-weighted average
+over the world is then the average over the data-parallel batches. The preconditioner
+reads each block's whole gradient and writes back this rank's shard: each rank ends with
+its shard of the unsharded model's preconditioned gradient."""
 
 from __future__ import annotations
 
@@ -14,9 +16,14 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from spdkfac.comm import Communicator
-from spdkfac.comm.tensor_parallel import TensorParallelGradients, check_tensor_parallel
+from spdkfac.comm.tensor_parallel import (
+    TensorParallelGradients,
+    check_tensor_parallel,
+    tensor_parallel_group,
+)
 from spdkfac.layers import GradientAccess
 from spdkfac.layout.base import GradientHook
+from spdkfac.planning.factor_split import FactorShare, plan_factor_split
 
 __all__ = ["TensorParallelLayout"]
 
@@ -53,6 +60,16 @@ class TensorParallelLayout:
         self, communicator: Communicator, params: Sequence[Tensor], owners: Sequence[int]
     ) -> GradientAccess:
         return self._access.gather_to_owners(communicator, params, owners)
+
+    def factor_share(
+        self, communicator: Communicator, blocks: Sequence[tuple[str, float]]
+    ) -> FactorShare:
+        rank, size, mesh = tensor_parallel_group(self.module)
+        if communicator.world_size != mesh:
+            # A group that is not the mesh's (the user's data-parallel one): the other
+            # ranks of the tensor-parallel group are not in the exchange to send theirs.
+            return FactorShare.whole(blocks)
+        return FactorShare(plan_factor_split(blocks, size), rank)
 
     def clip_sum(self, partial: float) -> float:
         return partial

@@ -10,8 +10,9 @@ iteration, beside what FSDP2 × TP AdamW moves too:
   each over the ``tp`` group of ``tokens × width`` elements (the group's tokens: every
   rank of the group reads the same batch); a column-wise layer's input and a row-wise
   layer's output gradient arrive replicated, a row-wise embedding's input is token ids:
-  nothing. Every rank of the group then forms the whole factors of the group's tokens
-  (``tp`` times FSDP2's rows per rank, priced as the extra factor compute).
+  nothing. One rank of the group forms each layer's factors over the group's ``tp`` times
+  a rank's rows (:func:`factor_split`, as the layout splits them): the data-parallel
+  simulation's factor compute on average, the most loaded rank's excess priced extra.
 * K-FAC's gradient reads (every step, every strategy): each registered layer's gradient
   whole on every rank (``full_tensor`` over ``dp`` and ``tp``), an all-gather of its
   elements over the world (over ``dp`` only for a row-wise embedding, whose gradient
@@ -39,6 +40,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spdkfac.planning.factor_split import FactorSplit, gram_cost, plan_factor_split
 from spdkfac.sim.collectives import CollectiveOp
 from spdkfac.sim.fsdp import (
     FsdpCollective,
@@ -62,6 +64,7 @@ __all__ = [
     "TpLayer",
     "TpSplit",
     "check_tensor_parallel",
+    "factor_split",
     "tensor_parallel_plan",
     "tensor_parallel_result",
 ]
@@ -293,7 +296,10 @@ class TensorParallelResult:
         stream_s: Tensor parallelism's own activation collectives (exposed whole).
         capture_s: K-FAC's capture all-gathers, per iteration (over factor steps).
         reads_s: K-FAC's whole-gradient reads.
-        factor_extra_s: The factors of ``tp`` times the rows, per iteration.
+        factor_extra_s: What the most loaded rank of a group spends forming its layers'
+            factors beyond the data-parallel simulation's factor products, per iteration
+            (the split's imbalance; 0 with one rank per group).
+        split: Which rank of a group forms each layer's factors.
     """
 
     fsdp: FsdpResult
@@ -307,6 +313,7 @@ class TensorParallelResult:
     capture_s: float
     reads_s: float
     factor_extra_s: float
+    split: FactorSplit
 
     @property
     def bytes_per_rank(self) -> float:
@@ -315,14 +322,28 @@ class TensorParallelResult:
         return sum(c.bytes_per_rank for c in self.collectives) + captured / self.factor_update_steps
 
 
-def _factor_extra(workload: Workload, hardware: Hardware, tp: int) -> float:
-    """The factor products of ``tp`` times a rank's rows, beyond the rank's own."""
-    products = sum(
-        hardware.factor_seconds(workload, layer, kind)
+def factor_split(workload: Workload, tp: int) -> FactorSplit:
+    """Which rank of a group of ``tp`` forms each layer's factors: the layout's planner on
+    the blocks' Gram costs as the run computes them (an embedding's A is a diagonal)."""
+    costs = []
+    for layer in workload.layers:
+        a_side = (layer.a_dim,) if layer.kind == "embedding" else (layer.a_dim, layer.a_dim)
+        statistics = [(a_side, len(a_side) == 2), ((layer.g_dim, layer.g_dim), True)]
+        costs.append((layer.name, gram_cost(statistics)))
+    return plan_factor_split(costs, tp)
+
+
+def _factor_extra(workload: Workload, hardware: Hardware, split: FactorSplit) -> float:
+    """The most loaded rank's factor products over ``tp`` times a rank's rows, beyond the
+    data-parallel simulation's (the average over the group)."""
+    seconds = [
+        sum(hardware.factor_seconds(workload, layer, kind) for kind in ("A", "G"))
         for layer in workload.layers
-        for kind in ("A", "G")
-    )
-    return (tp - 1) * products
+    ]
+    loads = [0.0] * split.group_size
+    for owner, layer_seconds in zip(split.owners, seconds, strict=True):
+        loads[owner] += split.group_size * layer_seconds
+    return max(0.0, max(loads) - sum(seconds))
 
 
 def tensor_parallel_result(
@@ -336,8 +357,8 @@ def tensor_parallel_result(
     """The data-parallel simulation ``ddp`` (``P`` ranks) of ``workload`` under FSDP2 × TP
     with ``tp`` ranks per group (module docstring): its gradient all-reduce replaced by
     FSDP2's collectives over ``dp = P / tp``, tensor parallelism's own and, with K-FAC,
-    the capture (every ``factor_update_steps``), the gradient reads and the extra factor
-    rows.
+    the capture (every ``factor_update_steps``), the gradient reads and the factor
+    split's imbalance.
 
     Raises:
         ValueError: ``tp`` does not divide ``P``, a strategy that is no row, or what
@@ -358,7 +379,8 @@ def tensor_parallel_result(
     stream_s = sum(c.seconds for c in stream)
     capture_s = sum(c.seconds for c in capture) / factor_update_steps
     reads_s = sum(c.seconds for c in reads)
-    extra = _factor_extra(workload, hardware, tp) / factor_update_steps if row.uses_kfac else 0.0
+    split = factor_split(workload, tp)
+    extra = _factor_extra(workload, hardware, split) / factor_update_steps if row.uses_kfac else 0.0
     iteration = (
         ddp.iteration_s - ddp.breakdown["GradComm"] + exposed + stream_s + capture_s + reads_s
     ) + extra
@@ -374,4 +396,5 @@ def tensor_parallel_result(
         capture_s,
         reads_s,
         extra,
+        split,
     )

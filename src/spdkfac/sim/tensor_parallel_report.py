@@ -19,7 +19,7 @@ def tensor_parallel_table(rows: Sequence[tuple[str, TensorParallelResult]]) -> s
     parts FSDP2 × TP adds and the bytes each rank sends under each."""
     lines = [
         "| strategy | FSDP2 ms | FSDP2 x TP ms | TP own ms | K-FAC capture ms "
-        "| K-FAC grad reads ms | extra factor rows ms | FSDP2 MB/rank | FSDP2 x TP MB/rank |",
+        "| K-FAC grad reads ms | uneven factor split ms | FSDP2 MB/rank | FSDP2 x TP MB/rank |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, result in rows:
