@@ -62,6 +62,20 @@ def test_subgroup_and_non_member() -> None:
     assert results[2].startswith("error: process_group: this rank (2) is not a member")
 
 
+def _disjoint_duplicates(rank: int, world_size: int) -> float:
+    # Two data-parallel groups {0, 2} and {1, 3}, as on a 2 × 2 (dp, tp) mesh: each rank
+    # duplicates only its own group, so the duplicate must not wait for the whole world.
+    groups = [dist.new_group(ranks=[0, 2]), dist.new_group(ranks=[1, 3])]
+    copy = TorchDistributedCommunicator(groups[rank % 2]).duplicate()
+    value = copy.all_reduce_average(torch.tensor([float(rank)])).wait().item()
+    dist.barrier()
+    return value
+
+
+def test_ranks_of_different_subgroups_duplicate_their_own_groups() -> None:
+    assert run_distributed(_disjoint_duplicates, 4, timeout=60) == [1.0, 2.0, 1.0, 2.0]
+
+
 def test_local_communicator_and_factory() -> None:
     comm = make_communicator()
     assert isinstance(comm, LocalCommunicator)

@@ -194,8 +194,14 @@ class TorchDistributedCommunicator:
         # this group's: a stalled peer would hang the duplicate long after the original
         # group's timeout.
         timeout = _group_timeout(self._group, self._device)
+        # A subgroup is created by its members only: ranks of different subgroups (the
+        # data-parallel groups of an FSDP2 × TP mesh) duplicate different groups at once,
+        # which a world-synchronised new_group() would deadlock on.
+        subgroup = len(ranks) < dist.get_world_size()
         copy = TorchDistributedCommunicator(
-            dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+            dist.new_group(
+                ranks=ranks, backend=backend, timeout=timeout, use_local_synchronization=subgroup
+            )
         )
         copy._owns_group = True
         return copy
