@@ -154,22 +154,33 @@ def train(
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The whole preconditioned gradients of the first step and the whole parameters
     after ``steps`` SGD steps on rows ``part`` of each global batch (the block's, or a
-    LLaMA's token batches)."""
+    LLaMA's token batches); with ``accumulation_steps`` the rows are split into that many
+    passes, each loss divided by their number."""
     batches = token_batch if isinstance(model, _llama_type()) else tp_batch
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     precond = KFACPreconditioner(model, optimizer=optimizer, **{**OPTIONS, **options})
+    passes = options.get("accumulation_steps", 1)
     first: dict[str, Tensor] = {}
-    begin, end = part
     for step in range(steps):
         optimizer.zero_grad()
         inputs, targets = batches(step)
-        logits = model(inputs[begin:end])
-        F.cross_entropy(logits.reshape(-1, CLASSES), targets[begin:end].reshape(-1)).backward()
+        for begin, end in _passes(part, passes):
+            logits = model(inputs[begin:end])
+            loss = F.cross_entropy(logits.reshape(-1, CLASSES), targets[begin:end].reshape(-1))
+            (loss / passes).backward()
         assert precond.step()
         if step == 0:
             first = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
     return first, {n: _full(p) for n, p in model.named_parameters()}
+
+
+def _passes(part: tuple[int, int], passes: int) -> list[tuple[int, int]]:
+    """Rows ``part`` cut into ``passes`` equal consecutive slices."""
+    begin, end = part
+    size = (end - begin) // passes
+    assert size * passes == end - begin, (part, passes)
+    return [(begin + i * size, begin + (i + 1) * size) for i in range(passes)]
 
 
 def _llama_type() -> type[nn.Module]:

@@ -2,8 +2,9 @@
 with its shard of what single-process float64 K-FAC computes on the global batch with the
 unsharded model, for an attention + MLP block with its heads split across 2 ranks
 (torchtitan's sequence-parallel plan under d-kfac, spd-kfac, osawa and layer-paths,
-Megatron's under spd-kfac and osawa; uneven shards; frozen and tied parameters), every
-Linear layer's first step also against an explicit Kronecker solve; then under FSDP2 × TP
+Megatron's under spd-kfac and osawa; uneven shards; the priority scheduler; gradient
+accumulation; frozen and tied parameters), every Linear layer's first step also against
+an explicit Kronecker solve; then under FSDP2 × TP
 on a 2 × 2 mesh, with the eigen-basis and one-sided forms too, and a tiny LLaMA
 parallelized by torchtitan's plan; and the forms spdkfac does not support refused before
 any collective."""
@@ -41,6 +42,13 @@ VARIANTS = {"megatron": (False, 9), "sequence": (True, 12)}
 #: replicated and one owner-computes under Megatron's plan (they differ only in where
 #: the work happens; the plans in what is sharded).
 VARIANT_STRATEGIES = {"megatron": ("spd-kfac", "osawa"), "sequence": STRATEGIES}
+#: Options beyond the strategy, under sequence parallelism with spd-kfac: the priority
+#: scheduler's traffic order, and gradient accumulation (2 passes per step, factors
+#: exchanged once, each rank forming its share of the blocks over both passes).
+SCHEDULES = {
+    "priority": {"comm_scheduler": "priority"},
+    "accumulated": {"accumulation_steps": 2},
+}
 #: Frozen and tied parameters: one replicated and one owner-computes strategy.
 FROZEN = ("spd-kfac", "osawa")
 #: Forms under FSDP2 × TP: (strategy, inverse_method). Eigen-Adam is left out: on this
@@ -64,6 +72,9 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, Any]:
         # One step without the KL clip, for the explicit reference.
         model = parallelize(block(hidden), mesh, sequence=sequence)
         out[f"{variant}/explicit"] = train(model, 1, (0, 4), strategy="osawa", kl_clip=None)
+    for label, options in SCHEDULES.items():
+        model = parallelize(block(), mesh, sequence=True)
+        out[label] = train(model, STEPS, (0, 4), strategy="spd-kfac", **options)
     for strategy in FROZEN:
         model = freeze_and_tie(parallelize(block(), mesh, sequence=True))
         out[f"frozen/{strategy}"] = train(model, STEPS, (0, 4), strategy=strategy)
@@ -91,6 +102,10 @@ def test_tensor_parallel_matches_single_process_kfac() -> None:
             for strategy in VARIANT_STRATEGIES[variant]:
                 label = f"{variant}/{strategy}"
                 assert_matches(out[label], reference, f"{label} rank {rank}")
+    for label, options in SCHEDULES.items():
+        reference = train(block(), STEPS, (0, 4), **options)
+        for rank, out in enumerate(results):
+            assert_matches(out[label], reference, f"{label} rank {rank}")
     reference = train(freeze_and_tie(block()), STEPS, (0, 4))
     for rank, out in enumerate(results):
         for strategy in FROZEN:
