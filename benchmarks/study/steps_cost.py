@@ -17,7 +17,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from study.protocol import Trial
-from study.steps import StepsWorkload, kfac_rows, row_scores, steps_ratio, steps_to, target_of
+from study.steps import (
+    StepsWorkload,
+    best_score,
+    kfac_rows,
+    row_scores,
+    steps_ratio,
+    steps_to,
+    target_of,
+)
 
 __all__ = ["COST_ROUNDS", "COST_STEPS", "best_scored", "cost_ratios", "cost_trials"]
 
@@ -28,14 +36,19 @@ COST_STEPS, COST_ROUNDS = 200, 5
 def best_scored(
     workload: StepsWorkload, records: Sequence[dict[str, Any]], row: str, target: float
 ) -> dict[str, Any]:
-    """The row's scored trial with the fewest steps to the target (then the lowest index):
-    the configuration its cost runs use and a recipe's defaults are read from."""
+    """The row's scored trial with the fewest steps to the target, then the lowest best
+    score (what tells apart the trials of a row that never reaches the target), then the
+    lowest index: the configuration its cost runs use and a recipe's defaults are read
+    from."""
     scored = [
         r
         for r in records
         if r["workload"] == workload.key and r["phase"] == "score" and r["optimizer"] == row
     ]
-    return min(scored, key=lambda r: (steps_to(r, workload.metric, target), r["index"]))
+    metric = workload.metric
+    return min(
+        scored, key=lambda r: (steps_to(r, metric, target), best_score(r, metric), r["index"])
+    )
 
 
 def cost_trials(workload: StepsWorkload, records: Sequence[dict[str, Any]]) -> list[Trial]:

@@ -122,8 +122,10 @@ def steps_results(workload: StepsWorkload, records: Sequence[dict[str, Any]]) ->
     if scores and all(len(values) == workload.studies for values in scores.values()):
         lines += [
             "",
-            "Each row's best scored trial (fewest steps to the target, then the lowest index):",
-            "the configuration its step-cost runs use and a recipe's defaults are read from.",
+            "Each row's best scored trial (fewest steps to the target, then the lowest best",
+            "score, which tells apart the trials of a row that never reaches the target, then",
+            "the lowest index): the configuration its step-cost runs use and a recipe's",
+            "defaults are read from.",
             "",
             "| row | study | # | seed | configuration | steps to target |",
             "|---|---:|---:|---:|---|---:|",

@@ -37,6 +37,7 @@ from study.steps import (  # noqa: E402
     steps_to,
     target_of,
 )
+from study.steps_cost import best_scored  # noqa: E402
 from study.store import TrialStore, check_protocol  # noqa: E402
 from study.workloads import build_plan  # noqa: E402
 
@@ -191,6 +192,7 @@ def test_phases_run_in_order_and_set_the_target_by_algoperfs_rule(tmp_path: Path
             (r for r in scored if r["optimizer"] == row),
             key=lambda r: (steps_to(r, workload.metric, target.value), r["index"]),
         )
+        assert first is best_scored(workload, records, row, target.value)
         assert {json.dumps(r["hparams"]) for r in cost if r["optimizer"] == row} == {
             json.dumps(first["hparams"])
         }
@@ -207,6 +209,27 @@ def test_a_row_that_never_reaches_the_target_scores_infinity() -> None:
     assert steps_to(record, "val_bits_per_byte", 2.5) == 8
     assert steps_to(record, "val_bits_per_byte", 2.4) == math.inf
     assert steps_to({"status": "failed"}, "val_bits_per_byte", 9.0) == math.inf
+
+
+def _scored(index: int, curve: list[float]) -> dict[str, Any]:
+    metrics = [{"step": 10 * (i + 1), "val_bits_per_byte": v} for i, v in enumerate(curve)]
+    return {"workload": _plan().steps[0].key, "phase": "score", "optimizer": "muon",
+            "index": index, "status": "ok", "summary": {"metrics": metrics}}  # fmt: skip
+
+
+def test_the_best_scored_trial_is_the_fewest_steps_then_the_lowest_best_score() -> None:
+    workload = _plan().steps[0]
+
+    def best(*records: dict[str, Any]) -> int:
+        return int(best_scored(workload, records, "muon", 2.0)["index"])
+
+    # Fewest steps first, whatever the best score.
+    assert best(_scored(0, [2.5, 1.5]), _scored(1, [1.9, 2.2])) == 1
+    # A row that never reaches the target: its lowest best score, not its first trial.
+    assert best(_scored(0, [2.5, 2.3]), _scored(1, [2.4, 2.1]), _scored(2, [2.2, 2.6])) == 1
+    # The same steps: the lower best score; then the lower index.
+    assert best(_scored(0, [2.5, 1.9]), _scored(1, [2.5, 1.7])) == 1
+    assert best(_scored(0, [2.5, 1.7]), _scored(1, [2.5, 1.7])) == 0
 
 
 @pytest.mark.usefixtures("all_candidates")
