@@ -218,3 +218,35 @@ def test_eigen_adam_preconditioner_over_refreshes_and_its_state_dict() -> None:
 def test_eigen_adam_refuses_the_kl_clip_by_name() -> None:
     with pytest.raises(ValueError, match="kl_clip must be None with inverse_method='eigen-adam'"):
         KFACPreconditioner(_model(), inverse_method="eigen-adam")  # the default kl_clip 0.001
+
+
+@pytest.mark.parametrize("grafting", [None, "adam"])
+def test_a_fresh_running_state_saves_as_zeros_and_loads_as_fresh(grafting: str | None) -> None:
+    """Before any step (as on a rank that never preconditioned a layer) the state dict
+    holds each moment as zeros with step count 0, shaped as after a step; loading it
+    leaves the moments fresh (None), and training then equals the uninterrupted run."""
+    options = dict(
+        damping=0.1, kl_clip=None, lr=0.05, inverse_method="eigen-adam", inv_update_steps=2
+    )
+    if grafting:
+        options["grafting"] = grafting
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        precond = KFACPreconditioner(model, **options)
+        twin = _model()
+        fresh = KFACPreconditioner(twin, **options)
+    names = precond.state_dict()["layers"]["2"].keys() - {"a_factor", "g_factor"}
+    saved = precond.state_dict()["layers"]["2"]
+    moments = [name for name in names if not name.endswith("inverse")]
+    assert moments and all(saved[name] is not None and not saved[name].any() for name in moments)
+    assert saved["exp_avg"].shape == (5, 13) and saved["exp_avg"].dtype == torch.float64
+    fresh.load_state_dict(precond.state_dict())
+    first = _run("eigen-adam", 3, precond, model)
+    second = _run("eigen-adam", 3, fresh, twin)
+    after_steps = precond.state_dict()["layers"]["2"]
+    assert all(after_steps[name].shape == saved[name].shape for name in moments)
+    assert float(after_steps["steps"]) == 3.0
+    for (_, after, _), (_, again, _) in zip(first, second, strict=True):
+        for name in ("2", "4"):
+            torch.testing.assert_close(again[name], after[name], rtol=1e-10, atol=1e-12)

@@ -1,6 +1,7 @@
 """A state dict saved with one inverse form (or grafting) loads into a preconditioner of
 any other: the factors carry over, inverses of another kind are recomputed, a form's
-running state the state dict does not hold (Adam's moments) starts fresh — never a
+running state the state dict does not hold (Adam's moments) starts fresh (and saves as
+zeros with step count 0) — never a
 ``KeyError``; the next steps equal a preconditioner given the same factors."""
 
 from __future__ import annotations
@@ -72,8 +73,10 @@ def test_every_form_loads_every_others_state_dict(source: tuple[str, str | None]
                 if want is not None and got is not None:
                     torch.testing.assert_close(got, want)
             for key in _moments(target):
+                # Carried: the saved moments; fresh: saved as zeros with step count 0.
                 carried = key in _moments(source)
-                assert (state["layers"][name][key] is not None) == carried, (target, key)
+                value = state["layers"][name][key]
+                assert value is not None and bool(value.any()) == carried, (target, key)
         assert all(g.isfinite().all() for g in _step(twin, loaded, 3)), target
 
 

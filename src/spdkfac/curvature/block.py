@@ -325,8 +325,19 @@ class FactorPairState:
             "g_factor": g_factor,
             "a_inverse": self.a_inverse,
             "g_inverse": self.g_inverse,
-            **self.moments,
+            **self.form.saved_moments(self.moments, self.state_shapes(), self._like),
         }
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Expected shape of each :meth:`state` entry (the block's)."""
+        raise NotImplementedError
+
+    @property
+    def _like(self) -> Tensor:
+        """The weight (device and dtype of a saved fresh state)."""
+        weight = self.module.weight
+        assert isinstance(weight, Tensor)
+        return weight
 
     def stored(self) -> dict[str, Tensor | None]:
         return {
@@ -343,7 +354,7 @@ class FactorPairState:
         self.g_factor = _in_dtype(entry["g_factor"], factors)
         self.a_inverse = _in_dtype(entry["a_inverse"], inverses)
         self.g_inverse = _in_dtype(entry["g_inverse"], inverses)
-        self.moments = {name: entry.get(name) for name in self.form.moments}
+        self.moments = self.form.restored_moments(entry)
 
 
 def _in_dtype(value: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:

@@ -39,9 +39,10 @@ class InverseForm(ABC):
     #: ``"inverse"``, ``"eigen-basis"`` or ``"one-sided"``: results of two forms of one
     #: kind are interchangeable (saved with a state dict; others are recomputed on loading).
     kind: str
-    #: Names of the running state a block keeps for this form, each shaped as the
-    #: gradient matrix (none: the form is stateless); see :meth:`moment_shapes`.
-    moments: tuple[str, ...] = ()
+    #: The running state a block keeps for this form (none: the form is stateless), in
+    #: groups that start together, each ending with its step count: the other entries
+    #: are shaped as the gradient matrix (see :meth:`moment_shapes`).
+    moment_groups: tuple[tuple[str, ...], ...] = ()
     #: Whether G's result takes part (False: only A's; G is neither captured nor inverted).
     uses_g: bool = True
 
@@ -54,10 +55,45 @@ class InverseForm(ABC):
         damped inverse by Cholesky): :data:`COMPUTE_SCALES` of :attr:`method`."""
         return COMPUTE_SCALES[self.method]
 
+    @property
+    def moments(self) -> tuple[str, ...]:
+        """Names of the running state's entries (:attr:`moment_groups`, in order)."""
+        return tuple(name for group in self.moment_groups for name in group)
+
     def moment_shapes(self, matrix: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         """Shape of each running-state entry for a gradient matrix of shape ``matrix``
-        (the step count: a scalar)."""
-        return {name: () if name == "steps" else matrix for name in self.moments}
+        (a step count: a scalar)."""
+        return {
+            name: () if name == group[-1] else matrix
+            for group in self.moment_groups
+            for name in group
+        }
+
+    def saved_moments(
+        self, moments: Moments, shapes: Mapping[str, tuple[int, ...]], like: Tensor
+    ) -> Moments:
+        """The running state as a state dict holds it: a group not started yet (None) as
+        zeros with step count 0, shaped by ``shapes``, on ``like``'s device and at least
+        float32, so that a rank that never preconditioned the block saves the same keys
+        and shapes as one that did (:meth:`restored_moments` reads them back as fresh)."""
+        saved = dict(moments)
+        dtype = torch.promote_types(like.dtype, torch.float32)
+        for group in self.moment_groups:
+            if moments.get(group[-1]) is None:
+                for name in group:
+                    saved[name] = torch.zeros(shapes[name], dtype=dtype, device=like.device)
+        return saved
+
+    def restored_moments(self, entry: Mapping[str, Tensor | None]) -> Moments:
+        """The running state from a state dict's entry: a group whose step count is
+        missing or 0 is fresh (None), so that the form starts it in its own dtype at the
+        next step, as it would have."""
+        restored: Moments = {}
+        for group in self.moment_groups:
+            count = entry.get(group[-1])
+            fresh = count is None or not bool(count)
+            restored.update({name: None if fresh else entry.get(name) for name in group})
+        return restored
 
     def stored(self, result: Tensor) -> Tensor:
         """``result`` in the storage dtype."""

@@ -129,7 +129,7 @@ class EigenAdam(EigenBasis):
     """
 
     method = "eigen-adam"
-    moments = ("exp_avg", "exp_avg_sq", "steps")
+    moment_groups = (("exp_avg", "exp_avg_sq", "steps"),)
     #: SOAP's defaults (Vyas et al. 2024, Section 5).
     betas = (0.95, 0.95)
     eps = 1e-8

@@ -58,14 +58,8 @@ class Grafted(InverseForm):
         self.method = inner.method
         self.kind = inner.kind
         self.uses_g = inner.uses_g
-        own = ("graft_exp_avg_sq", "graft_steps") if grafting == "adam" else ()
-        self.moments = (*inner.moments, *own)
-
-    def moment_shapes(self, matrix: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-        shapes = self.inner.moment_shapes(matrix)
-        if self.grafting == "adam":
-            shapes.update(graft_exp_avg_sq=matrix, graft_steps=())
-        return shapes
+        own = (("graft_exp_avg_sq", "graft_steps"),) if grafting == "adam" else ()
+        self.moment_groups = (*inner.moment_groups, *own)
 
     # ------------------------------------------------------------------ inner's
     def compute_batch(self, stack: Tensor, damping: float) -> list[Tensor | None]:
