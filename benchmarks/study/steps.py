@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -35,9 +35,11 @@ __all__ = [
     "STEPS_PHASES",
     "StepsWorkload",
     "Target",
+    "best_baseline",
     "best_score",
     "kfac_rows",
     "planned_steps_trials",
+    "row_medians",
     "row_scores",
     "setting_choice",
     "steps_ratio",
@@ -339,21 +341,35 @@ def row_scores(
     return result
 
 
+def row_medians(
+    workload: StepsWorkload, records: Sequence[dict[str, Any]]
+) -> dict[str, float] | None:
+    """Each row's median study score (infinity: the median study never reaches the
+    target); None until the target is set and every scored study is recorded."""
+    target = target_of(workload, records)
+    if target is None or not kfac_rows(workload, records):
+        return None
+    scores = row_scores(workload, records, target)
+    if any(len(values) < workload.studies for values in scores.values()):
+        return None
+    return {row: _median(values) for row, values in scores.items()}
+
+
+def best_baseline(workload: StepsWorkload, medians: Mapping[str, float]) -> str:
+    """The baseline with the fewest median steps (the first declared on a tie)."""
+    return min(workload.baselines, key=lambda row: medians[row])
+
+
 def steps_ratio(
     workload: StepsWorkload, records: Sequence[dict[str, Any]]
 ) -> tuple[float, str] | None:
     """(the primary K-FAC row's median study score over the best baseline's, that
     baseline); None until every study is recorded or when either never reaches the target
     (``n/a``: a miss is infinity, never a budget)."""
-    target = target_of(workload, records)
-    rows = kfac_rows(workload, records)
-    if target is None or not rows:
+    medians = row_medians(workload, records)
+    if medians is None:
         return None
-    scores = row_scores(workload, records, target)
-    if any(len(scores[row]) < workload.studies for row in (*workload.baselines, rows[0])):
+    primary, best = kfac_rows(workload, records)[0], best_baseline(workload, medians)
+    if not (math.isfinite(medians[primary]) and math.isfinite(medians[best])):
         return None
-    medians = {row: _median(values) for row, values in scores.items()}
-    best = min(workload.baselines, key=lambda row: medians[row])
-    if not (math.isfinite(medians[rows[0]]) and math.isfinite(medians[best])):
-        return None
-    return medians[rows[0]] / medians[best], best
+    return medians[primary] / medians[best], best

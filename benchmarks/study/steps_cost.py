@@ -27,7 +27,15 @@ from study.steps import (
     target_of,
 )
 
-__all__ = ["COST_ROUNDS", "COST_STEPS", "best_scored", "cost_ratios", "cost_trials"]
+__all__ = [
+    "COST_ROUNDS",
+    "COST_STEPS",
+    "best_scored",
+    "cost_ratios",
+    "cost_trials",
+    "mean_steps",
+    "paired_costs",
+]
 
 #: Steps per cost run and rounds of the measurement.
 COST_STEPS, COST_ROUNDS = 200, 5
@@ -79,19 +87,42 @@ def _mean_step(record: dict[str, Any]) -> float:
     )
 
 
+def paired_costs(
+    workload: StepsWorkload, records: Sequence[dict[str, Any]], row: str, over: str
+) -> tuple[float, float, float] | None:
+    """(median, lowest, highest) of the rounds' ratios of ``row``'s mean step over
+    ``over``'s (paired: the same round); None until every cost run is recorded."""
+    planned = cost_trials(workload, records)
+    done = {r["id"]: r for r in records}
+    if not planned or any(t.id not in done for t in planned):
+        return None
+    ratios = []
+    for round_ in range(COST_ROUNDS):
+        cost = {t.optimizer: _mean_step(done[t.id]) for t in planned if t.index == round_}
+        ratios.append(cost[row] / cost[over])
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def mean_steps(workload: StepsWorkload, records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Each row's median over the rounds of its mean step in seconds (empty until every
+    cost run is recorded)."""
+    planned = cost_trials(workload, records)
+    done = {r["id"]: r for r in records}
+    if not planned or any(t.id not in done for t in planned):
+        return {}
+    rows = dict.fromkeys(t.optimizer for t in planned)
+    return {
+        row: statistics.median(_mean_step(done[t.id]) for t in planned if t.optimizer == row)
+        for row in rows
+    }
+
+
 def cost_ratios(
     workload: StepsWorkload, records: Sequence[dict[str, Any]]
 ) -> tuple[float, float, float] | None:
     """(median, lowest, highest) of the rounds' time ratios of the primary K-FAC row over
     the best baseline by steps; None until every cost run is recorded."""
     found = steps_ratio(workload, records)
-    planned = cost_trials(workload, records)
-    done = {r["id"]: r for r in records}
-    if found is None or not planned or any(t.id not in done for t in planned):
+    if found is None:
         return None
-    primary, best = kfac_rows(workload, records)[0], found[1]
-    ratios = []
-    for round_ in range(COST_ROUNDS):
-        cost = {t.optimizer: _mean_step(done[t.id]) for t in planned if t.index == round_}
-        ratios.append(cost[primary] / cost[best])
-    return statistics.median(ratios), min(ratios), max(ratios)
+    return paired_costs(workload, records, kfac_rows(workload, records)[0], found[1])

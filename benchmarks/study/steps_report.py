@@ -11,18 +11,33 @@ from study.protocol import show
 from study.steps import (
     STEPS_PHASES,
     StepsWorkload,
+    best_baseline,
     best_score,
     kfac_rows,
     planned_steps_trials,
+    row_medians,
     row_scores,
     setting_choice,
     steps_ratio,
     steps_to,
     target_of,
 )
-from study.steps_cost import COST_ROUNDS, COST_STEPS, best_scored, cost_ratios
+from study.steps_cost import (
+    COST_ROUNDS,
+    COST_STEPS,
+    best_scored,
+    cost_ratios,
+    mean_steps,
+    paired_costs,
+)
 
-__all__ = ["steps_protocol", "steps_ratio_lines", "steps_results", "steps_trials"]
+__all__ = [
+    "steps_comparison",
+    "steps_protocol",
+    "steps_ratio_lines",
+    "steps_results",
+    "steps_trials",
+]
 
 
 def _steps(value: float) -> str:
@@ -61,11 +76,7 @@ def steps_ratio_lines(workload: StepsWorkload, records: Sequence[dict[str, Any]]
     """``ratio NAME steps: X`` and ``ratio NAME: Y``, or ``n/a`` and why."""
     found = steps_ratio(workload, records)
     if found is None:
-        why = (
-            "not every scored study is recorded, or a median never reaches the target"
-            if target_of(workload, records)
-            else "the target is not set yet"
-        )
+        why = _why_no_ratio(workload, records)
         return [
             f"ratio {workload.name} steps: n/a ({why})",
             f"ratio {workload.name}: n/a ({why})",
@@ -86,6 +97,59 @@ def steps_ratio_lines(workload: StepsWorkload, records: Sequence[dict[str, Any]]
         f"step over {best}'s, {median:.2f}: the median of {COST_ROUNDS} interleaved rounds "
         f"of {COST_STEPS} steps, refresh steps included; rounds {low:.2f}-{high:.2f})",
     ]
+
+
+def _why_no_ratio(workload: StepsWorkload, records: Sequence[dict[str, Any]]) -> str:
+    if target_of(workload, records) is None:
+        return "the target is not set yet"
+    medians = row_medians(workload, records)
+    if medians is None:
+        return "not every scored study is recorded"
+    primary = kfac_rows(workload, records)[0]
+    if not math.isfinite(medians[primary]):
+        return f"{primary}'s median study never reaches the target: K-FAC does not win"
+    return "no baseline's median study reaches the target"
+
+
+def _rounds(found: tuple[float, float, float] | None) -> str:
+    if found is None:
+        return "—"
+    median, low, high = found
+    return f"{median:.2f} ({low:.2f}-{high:.2f})"
+
+
+def steps_comparison(workload: StepsWorkload, records: Sequence[dict[str, Any]]) -> list[str]:
+    """Every row against the baseline with the fewest median steps: steps, step cost
+    (paired by round, once the cost runs are in) and their product, time to the target."""
+    medians = row_medians(workload, records)
+    if medians is None:
+        return []
+    best = best_baseline(workload, medians)
+    seconds = mean_steps(workload, records)
+    reference = "muon" if "muon" in workload.baselines else best
+    lines = [
+        "",
+        f"Every row against {best}, the baseline with the fewest median steps (only the "
+        "primary K-FAC row's ratio above is the study's answer; the others show where each "
+        f"row stands). Step costs: the {COST_ROUNDS} interleaved cost rounds, each row's "
+        "mean step over the other's in the same round, median (lowest-highest); time to "
+        "the target: steps ratio x step-cost ratio.",
+        "",
+        f"| row | median steps | steps over {best} | mean step (ms) | step over {reference} "
+        f"| step over {best} | time to target over {best} |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row, median in medians.items():
+        steps = median / medians[best] if math.isfinite(medians[best]) else math.inf
+        over_best = paired_costs(workload, records, row, best)
+        time = steps * over_best[0] if over_best is not None and math.isfinite(steps) else None
+        lines.append(
+            f"| {row} | {_steps(median)} | {f'{steps:.2f}' if math.isfinite(steps) else '—'} "
+            f"| {f'{1000 * seconds[row]:.0f}' if row in seconds else '—'} "
+            f"| {_rounds(paired_costs(workload, records, row, reference))} "
+            f"| {_rounds(over_best)} | {'—' if time is None else f'{time:.2f}'} |"
+        )
+    return lines
 
 
 def steps_results(workload: StepsWorkload, records: Sequence[dict[str, Any]]) -> list[str]:
@@ -138,7 +202,7 @@ def steps_results(workload: StepsWorkload, records: Sequence[dict[str, Any]]) ->
             lines.append(
                 f"| {row} | {study} | {best['index']} | {best['seed']} | {hparams} | {steps} |"
             )
-    return lines
+    return lines + steps_comparison(workload, records)
 
 
 def steps_trials(
