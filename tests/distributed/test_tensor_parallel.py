@@ -6,8 +6,8 @@ Megatron's under spd-kfac and osawa; uneven shards; the priority scheduler; grad
 accumulation; frozen and tied parameters), every Linear layer's first step also against
 an explicit Kronecker solve; then under FSDP2 × TP
 on a 2 × 2 mesh, with the eigen-basis and one-sided forms too, and a tiny LLaMA
-parallelized by torchtitan's plan; and the forms spdkfac does not support refused before
-any collective."""
+parallelized by torchtitan's plan; under HSDP × TP on a 2 × 2 × 2 mesh; and the forms
+spdkfac does not support refused before any collective."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from distributed_helper import run_distributed
 from spdkfac import KFACPreconditioner
@@ -55,6 +57,9 @@ FROZEN = ("spd-kfac", "osawa")
 #: block it departs from single-process K-FAC under FSDP2 alone too (its elementwise
 #: moments in the eigen-bases amplify rounding), nothing tensor parallelism adds.
 FORMS = (("spd-kfac", "eigen-basis"), ("osawa", "one-sided"))
+#: Strategies under HSDP × TP (2 replicas × 2 shards × TP 2): one replicated, one
+#: owner-computes.
+HSDP_TP = ("spd-kfac", "osawa")
 #: The LLaMA with torchtitan's plan (row-wise embedding, ``PrepareModuleInput``, RMSNorm)
 #: under FSDP2 × TP.
 LLAMA = ("spd-kfac", "osawa")
@@ -154,6 +159,29 @@ def test_fsdp2_times_tensor_parallel_matches_single_process_kfac() -> None:
             assert_matches(out[f"llama/{strategy}"], reference, f"llama/{strategy} rank {rank}")
 
 
+def _hsdp_tp_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    shape = (2, 2, world_size // 4)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp"))
+    dp = mesh["replicate", "shard"]
+    row = dp.get_local_rank(0) * shape[1] + dp.get_local_rank(1)  # one row of 4 each
+    out: dict[str, Any] = {}
+    for strategy in HSDP_TP:
+        model = fully_shard(parallelize(block(), mesh["tp"], sequence=True), mesh=dp)
+        out[strategy] = train(model, STEPS, (row, row + 1), strategy=strategy)
+    return out
+
+
+def test_hsdp_times_tensor_parallel_matches_single_process_kfac() -> None:
+    results = run_distributed(_hsdp_tp_worker, 8, timeout=300)
+    reference = train(block(), STEPS, (0, 4))
+    for rank, out in enumerate(results):
+        for strategy in HSDP_TP:
+            assert_matches(out[strategy], reference, f"hsdp x tp/{strategy} rank {rank}")
+
+
 def _refused(build: Callable[[], Any]) -> str:
     try:
         build()
@@ -164,23 +192,23 @@ def _refused(build: Callable[[], Any]) -> str:
 
 def _refusal_worker(rank: int, world_size: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     out = {}
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
     # Tensor parallelism over half the world, the other half's batches out of sight.
     model = parallelize(block(), mesh["tp"], sequence=False)
     out["tp without fsdp"] = _refused(lambda: KFACPreconditioner(model))
-    # HSDP × TP: a 3-D mesh.
+    # A weight on a 3-D mesh that is not HSDP × TP's (no FSDP2).
     cube = init_device_mesh("cpu", (1, 2, world_size // 2), mesh_dim_names=("r", "s", "tp"))
-    hsdp = fully_shard(parallelize(block(), cube["tp"], sequence=False), mesh=cube["r", "s"])
-    out["hsdp x tp"] = _refused(lambda: KFACPreconditioner(hsdp))
+    odd = block()
+    odd.q.weight = nn.Parameter(distribute_tensor(odd.q.weight.detach(), cube, [Shard(0)] * 3))
+    out["3-d mesh"] = _refused(lambda: KFACPreconditioner(odd))
     return out
 
 
 def test_unsupported_tensor_parallel_forms_are_refused_before_any_collective() -> None:
     for out in run_distributed(_refusal_worker, 4, timeout=120):
         assert "over 2 of 4 ranks without FSDP2" in out["tp without fsdp"], out
-        assert "3-D mesh (1, 2, 2)" in out["hsdp x tp"], out
+        assert "3-D mesh (1, 2, 2) as (Shard(dim=0), Shard(dim=0), Shard(dim=0))" in out["3-d mesh"]
         for message in out.values():
             assert "supported: tensor parallelism" in message, message

@@ -1,17 +1,19 @@
-"""Tensor-parallel parameters (DTensor ``parallelize_module``, alone or under FSDP2 on a
-2-D ``(dp, tp)`` mesh): which models are tensor-parallel, which forms spdkfac supports,
-and each gradient read whole and written back as this rank's shard.
+"""Tensor-parallel parameters (DTensor ``parallelize_module``, alone, under FSDP2 on a
+2-D ``(dp, tp)`` mesh or under HSDP on a 3-D ``(replicate, shard, tp)`` one): which
+models are tensor-parallel, which forms spdkfac supports, and each gradient read whole
+and written back as this rank's shard.
 
 A tensor-parallel weight is a ``DTensor`` whose placements on the tensor-parallel mesh
 dimension are ``Shard(0)`` (``ColwiseParallel``: output rows), ``Shard(1)``
 (``RowwiseParallel``: input columns) or ``Replicate()`` (biases of row-wise layers,
 ``SequenceParallel`` norms); under FSDP2 × TP the data-parallel dimension adds FSDP's
-``Shard(0)`` (a ``_StridedShard`` where both shard rows). After backward every gradient is
-a ``DTensor`` of its parameter's placements holding the gradient of the loss (averaged
-over the data-parallel dimension by FSDP2). :meth:`TensorParallelGradients.read` returns
-the whole gradient (``full_tensor``: all-gathers over the sharded dimensions, uneven
-shards included) and :meth:`~TensorParallelGradients.write` keeps this rank's part of a
-whole value, cut locally the way DTensor cuts it (no collective).
+``Shard(0)`` (a ``_StridedShard`` where both shard rows), and HSDP a ``Replicate()``
+before it. After backward every gradient is a ``DTensor`` of its parameter's placements
+holding the gradient of the loss (averaged over the data-parallel dimensions by FSDP2).
+:meth:`TensorParallelGradients.read` returns the whole gradient (``full_tensor``:
+all-gathers over the sharded dimensions, uneven shards included) and
+:meth:`~TensorParallelGradients.write` keeps this rank's part of a whole value, cut locally
+the way DTensor cuts it (no collective).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ __all__ = [
 #: What the tensor-parallel layout accepts, for error messages.
 SUPPORTED_TENSOR_PARALLEL = (
     "tensor parallelism (torch.distributed.tensor.parallel.parallelize_module) on a 1-D "
-    "mesh spanning the world, or under FSDP2 on a 2-D (dp, tp) mesh spanning the world"
+    "mesh spanning the world, or under FSDP2 on a 2-D (dp, tp) mesh or under HSDP on a 3-D "
+    "(replicate, shard, tp) mesh spanning the world"
 )
 
 #: Placements FSDP2 (1-D) and HSDP (2-D) make without tensor parallelism.
@@ -61,8 +64,9 @@ def check_tensor_parallel(model: nn.Module) -> None:
     """Refuse tensor-parallel forms spdkfac does not support (before any collective).
 
     Raises:
-        ValueError: A mesh of more than two dimensions (HSDP × TP); a tensor-parallel
-            mesh (without FSDP2, any; under FSDP2, the 2-D one) that does not span the world
+        ValueError: A mesh of more than two dimensions other than HSDP × TP's; a
+            tensor-parallel mesh (without FSDP2, any; under FSDP2, the 2-D or 3-D one) that
+            does not span the world
             (its other ranks' batches would be averaged into the factors but not into the
             gradients); under FSDP2, plain parameters beside sharded ones.
     """
@@ -79,11 +83,11 @@ def check_tensor_parallel(model: nn.Module) -> None:
             )
     for name, dtensor in sharded:
         mesh = dtensor.device_mesh
-        if mesh.ndim > 2:
+        if mesh.ndim > 2 and not (fully_sharded and _hsdp_times_tp(dtensor)):
             raise ValueError(
                 f"model: parameter {name!r} lives on a {mesh.ndim}-D mesh "
-                f"{tuple(mesh.mesh.shape)} (HSDP × TP?), which spdkfac does not support; "
-                f"supported: {SUPPORTED_TENSOR_PARALLEL}"
+                f"{tuple(mesh.mesh.shape)} as {tuple(dtensor.placements)}, which spdkfac "
+                f"does not support; supported: {SUPPORTED_TENSOR_PARALLEL}"
             )
     for name, dtensor in sharded:
         # Under FSDP2 only the tensor-parallel placements: a module left out of the plan
@@ -98,11 +102,23 @@ def check_tensor_parallel(model: nn.Module) -> None:
             )
 
 
+def _hsdp_times_tp(dtensor: DTensor) -> bool:
+    """Whether a parameter is placed as HSDP × TP makes it: a 3-D mesh whose first
+    dimension replicates, whose second shards rows (FSDP2's ``Shard(0)``, strided where
+    tensor parallelism shards them too) and whose last is tensor parallelism's."""
+    replicate, shard = dtensor.placements[:2]
+    return (
+        dtensor.device_mesh.ndim == 3
+        and replicate.is_replicate()
+        and getattr(shard, "dim", None) == 0
+    )
+
+
 def tensor_parallel_group(model: nn.Module) -> tuple[int, int, int]:
     """This rank's index within its tensor-parallel group, the group's size and the size
     of the whole mesh, read from the mesh of a parameter tensor parallelism placed (no
-    collective): its last dimension is the group's (FSDP2 puts its data-parallel dimension
-    first on a 2-D mesh). A model :func:`check_tensor_parallel` accepted."""
+    collective): its last dimension is the group's (FSDP2 puts its data-parallel
+    dimensions, HSDP's two, before it). A model :func:`check_tensor_parallel` accepted."""
     fully_sharded = any(isinstance(module, FSDPModule) for module in model.modules())
     for param in model.parameters():
         if not isinstance(param, DTensor):

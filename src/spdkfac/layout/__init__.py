@@ -27,7 +27,8 @@ def layout_of(model: nn.Module) -> ParameterLayout:
 
     Raises:
         ValueError: A module compiled with ``fullgraph=True``; sharding other than FSDP2's
-            and tensor parallelism's (FSDP1, HSDP × TP).
+            and tensor parallelism's (FSDP1; meshes of more than two dimensions other
+            than HSDP × TP's).
     """
     outer = unwrap_compiled(model)
     if isinstance(outer, nn.parallel.DistributedDataParallel):

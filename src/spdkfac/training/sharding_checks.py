@@ -60,7 +60,10 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
             "(dp, tp) mesh)"
         )
     if config.hsdp_replicas is not None:
-        raise ValueError("tp_size and hsdp_replicas together (HSDP x TP) are not supported")
+        raise ValueError(
+            "tp_size and hsdp_replicas together (HSDP x TP): spdkfac train does not build "
+            "that mesh yet (KFACPreconditioner supports a model the user shards so)"
+        )
     if config.model.lower() not in TENSOR_PARALLEL_MODELS:
         raise ValueError(
             f"model {config.model!r} has no tensor-parallel plan for tp_size; models with "
