@@ -86,7 +86,7 @@ def test_four_rank_hsdp_trains_as_ddp(tiny_fashion_mnist: Path, tmp_path: Path) 
     ("flags", "named"),
     [(["--weight-rescaling"], "fsdp does not support weight_rescaling"),
      (["--optimizer", "muon"], "muon"), (["--optimizer", "soap"], "soap"),
-     (["--hsdp-replicas", "3"], "does not divide 1 ranks")],
+     (["--hsdp-replicas", "3"], "--hsdp-replicas 3 does not divide 1 data-parallel ranks")],
 )  # fmt: skip
 def test_fsdp_refuses_what_it_does_not_support(flags: list[str], named: str) -> None:
     code, _, err = spdkfac_on_rank(0, 1, ["train", "--fsdp", *flags])

@@ -1,6 +1,7 @@
 """``spdkfac train --fsdp --tp-size N``: the tiny LLaMA split by its tensor-parallel plan on a
 2 × 2 ``(dp, tp)`` mesh trains, checkpoints through DCP and resumes as the uninterrupted
-run; what it does not support exits 2 with one line before any process group."""
+run; with ``--hsdp-replicas 2`` (HSDP × TP on a 2 × 1 × 2 mesh) it trains as that run; what
+it does not support exits 2 with one line before any process group."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_fsdp_tp_llama_resumes_as_the_uninterrupted_run(tmp_path: Path) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     first = _ranks(*common, "--out-dir", str(straight), "--max-steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "FSDP2 x TP (2 tensor-parallel ranks" in first.stdout
+    assert "FSDP2 x TP (2 tensor-parallel ranks per group) on a 2 x 2 mesh" in first.stdout
     # The run as it stood after step 2 (its checkpoint there, ``latest`` naming it).
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step-00000003")
@@ -58,6 +59,16 @@ def test_fsdp_tp_llama_resumes_as_the_uninterrupted_run(tmp_path: Path) -> None:
     for mine, other in zip(ours, theirs, strict=True):
         for key in ("train_loss", "val_loss"):
             assert float(mine[key]) == pytest.approx(float(other[key]), rel=1e-5, abs=1e-6), key
+    # HSDP x TP on a (2, 1, 2) mesh: the same 2 data-parallel batches, so the same run.
+    hsdp = tmp_path / "hsdp"
+    third = _ranks(*common, "--hsdp-replicas", "2", "--out-dir", str(hsdp), "--max-steps", "3")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "HSDP (2 replicas) x TP (2 tensor-parallel ranks per group) on a 2 x 1 x 2 mesh" in (
+        third.stdout
+    )
+    for mine, other in zip(_rows(hsdp), theirs, strict=True):
+        for key in ("train_loss", "val_loss"):
+            assert float(mine[key]) == pytest.approx(float(other[key]), rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.usefixtures("here")
@@ -67,11 +78,10 @@ def test_fsdp_tp_llama_resumes_as_the_uninterrupted_run(tmp_path: Path) -> None:
      (["--tp-size", "2"], "tp_size 2 needs fsdp"),
      (["--fsdp", "--tp-size", "1"], "tp_size must be an int >= 2"),
      (["--fsdp", "--tp-size", "3"], "tp_size 3 must divide gpt_heads (4)"),
-     (["--fsdp", "--tp-size", "2", "--hsdp-replicas", "2"], "HSDP x TP"),
      (["--fsdp", "--tp-size", "2", "--model", "gpt"], "model 'gpt' has no tensor-parallel plan")],
 )  # fmt: skip
 def test_tp_size_refusals(flags: list[str], named: str) -> None:
-    """One line, exit 2, no process group: the world, fsdp, the heads, HSDP, the model."""
+    """One line, exit 2, no process group: the world, fsdp, the heads, the model."""
     argv = ["train", "--model", "llama", "--dataset", "text", *flags]
     code, _, err = spdkfac_on_rank(0, 1, argv)
     assert not dist.is_initialized()

@@ -172,8 +172,8 @@ _HELP: dict[str, str] = {
     "hsdp_replicas": "with --fsdp: HSDP, a 2-D mesh of N replicas x WORLD/N shards (N must "
     "divide the world size)",
     "tp_size": "with --fsdp: tensor parallelism over groups of N ranks (FSDP2 x TP on a "
-    "(WORLD/N, N) mesh, the model split by its plan: llama only; N must divide the world "
-    "size and --gpt-heads)",
+    "(WORLD/N, N) mesh, with --hsdp-replicas R HSDP x TP on an (R, WORLD/N/R, N) one; the "
+    "model split by its plan: llama only; N must divide the world size and --gpt-heads)",
     "tensorboard": "--tensorboard: write TensorBoard logs (without the tensorboard package: "
     "one notice, the run goes on); --no-tensorboard: none; by default: logs when the "
     "package is installed, nothing said otherwise",
@@ -301,12 +301,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--out-dir: {problem}")
         require_base(config.base_optimizer)  # so does a missing optimizer package
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if config.hsdp_replicas is not None and world % config.hsdp_replicas:
-            raise ValueError(
-                f"--hsdp-replicas {config.hsdp_replicas} does not divide {world} ranks"
-            )
         if config.tp_size is not None and world % config.tp_size:
             raise ValueError(f"--tp-size {config.tp_size} does not divide {world} ranks")
+        data_parallel = world // (config.tp_size or 1)  # the ranks HSDP splits
+        if config.hsdp_replicas is not None and data_parallel % config.hsdp_replicas:
+            raise ValueError(
+                f"--hsdp-replicas {config.hsdp_replicas} does not divide {data_parallel} "
+                "data-parallel ranks"
+            )
         if config.model.lower().startswith(TORCHVISION_PREFIX):
             # A missing torchvision or model name exits 2 here, before loading any data.
             torchvision_builder(config.model[len(TORCHVISION_PREFIX) :])

@@ -69,19 +69,22 @@ TENSOR_PARALLEL_PLANS: dict[str, Callable[[nn.Module, DeviceMesh], nn.Module]] =
 
 
 def shard_tensor_parallel(
-    model: nn.Module, name: str, *, tp_size: int, device_type: str
+    model: nn.Module, name: str, *, tp_size: int, device_type: str, replicas: int | None = None
 ) -> TorchDistributedCommunicator:
     """FSDP2 × TP for ``spdkfac train --fsdp --tp-size``: ``model`` parallelized in place by
     its plan on the ``"tp"`` dimension of a 2-D ``(dp, tp)`` mesh over the world (rank
     ``r`` at ``(r // tp_size, r % tp_size)``), then each of its ``layers`` and the root
-    ``fully_shard``-ed on ``"dp"``. A collective; the process group must exist.
+    ``fully_shard``-ed on ``"dp"``; with ``replicas`` (``--hsdp-replicas``), HSDP × TP: the
+    data-parallel ranks as a ``(replicate, shard)`` mesh of ``replicas`` rows, the whole a
+    3-D ``(replicate, shard, tp)`` mesh. A collective; the process group must exist.
 
     Returns:
-        The data-parallel communicator of this rank's ``"dp"`` group: the tensor-parallel
-        ranks of one group read the same batch.
+        The data-parallel communicator of this rank's ``"dp"`` group (the ranks of its
+        tensor-parallel index): the tensor-parallel ranks of one group read the same batch.
 
     Raises:
-        ValueError: ``tp_size`` does not divide the world, or ``name`` has no plan.
+        ValueError: ``tp_size`` does not divide the world, ``replicas`` the data-parallel
+            ranks, or ``name`` has no plan.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -92,10 +95,23 @@ def shard_tensor_parallel(
     plan = TENSOR_PARALLEL_PLANS.get(name.lower())
     if plan is None:
         raise ValueError(f"model {name!r} has no tensor-parallel plan")
-    mesh = init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    data_parallel = world // tp_size
+    if replicas is None:
+        mesh = init_device_mesh(device_type, (data_parallel, tp_size), mesh_dim_names=("dp", "tp"))
+        sharding = mesh["dp"]
+    elif data_parallel % replicas:
+        raise ValueError(f"hsdp_replicas {replicas} does not divide {data_parallel} ranks")
+    else:
+        shape = (replicas, data_parallel // replicas, tp_size)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard", "tp"))
+        sharding = mesh["replicate", "shard"]
     plan(model, mesh["tp"])
     layers = getattr(model, "layers", None)
     for unit in layers if isinstance(layers, nn.ModuleList) else ():
-        fully_shard(unit, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return TorchDistributedCommunicator(mesh.get_group("dp"))
+        fully_shard(unit, mesh=sharding)
+    fully_shard(model, mesh=sharding)
+    # The data-parallel groups, one per tensor-parallel index (rank r's: r % tp_size),
+    # created by every rank in the same order.
+    groups = [list(range(index, world, tp_size)) for index in range(tp_size)]
+    group, _ = dist.new_subgroups_by_enumeration(groups)
+    return TorchDistributedCommunicator(group)

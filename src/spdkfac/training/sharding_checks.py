@@ -1,6 +1,6 @@
 """The checks of ``spdkfac train``'s sharded layouts: FSDP2 (``fsdp``), HSDP
-(``hsdp_replicas``) and FSDP2 × TP (``tp_size``), run by :class:`TrainConfig` on
-construction, before any process group exists."""
+(``hsdp_replicas``), FSDP2 × TP (``tp_size``) and HSDP × TP (both), run by
+:class:`TrainConfig` on construction, before any process group exists."""
 
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ def _check_fsdp(config: TrainConfig) -> None:
 
 
 def _check_tensor_parallel(config: TrainConfig) -> None:
-    """``tp_size``: FSDP2 × TP on a ``(dp, tp)`` mesh, for a model with a plan whose
-    attention heads split evenly (the world's divisibility is checked at launch)."""
+    """``tp_size``: FSDP2 × TP on a ``(dp, tp)`` mesh (HSDP × TP on a ``(replicate,
+    shard, tp)`` one with ``hsdp_replicas``), for a model with a plan whose attention heads
+    split evenly (the world's divisibility is checked at launch)."""
     if config.tp_size is None:
         return
     check_int("tp_size", config.tp_size, low=2)
@@ -58,11 +59,6 @@ def _check_tensor_parallel(config: TrainConfig) -> None:
         raise ValueError(
             f"tp_size {config.tp_size} needs fsdp (tensor parallelism runs under FSDP2 on a "
             "(dp, tp) mesh)"
-        )
-    if config.hsdp_replicas is not None:
-        raise ValueError(
-            "tp_size and hsdp_replicas together (HSDP x TP): spdkfac train does not build "
-            "that mesh yet (KFACPreconditioner supports a model the user shards so)"
         )
     if config.model.lower() not in TENSOR_PARALLEL_MODELS:
         raise ValueError(

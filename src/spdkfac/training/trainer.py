@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from spdkfac.comm import Communicator, barrier, destroy_distributed, init_distributed
@@ -250,7 +251,7 @@ def _loop(run: _Run) -> TrainSummary:
         f"{config.optimizer}{'/' + config.kfac.strategy if config.uses_kfac else ''} "
         f"{config.model} on {config.dataset}: {comm.world_size} worker(s) x batch "
         f"{config.batch_size}, {run.steps_per_epoch} steps/epoch, {total_steps} steps"
-        + (f", {_sharding(config)}" if config.fsdp and comm.world_size > 1 else "")
+        + (f", {_sharding(config, run.module)}" if config.fsdp and comm.world_size > 1 else "")
     )
     run.clock.start()
     while run.step < total_steps:
@@ -356,11 +357,19 @@ def _replicas_identical(run: _Run) -> bool:
     return replicas_identical(run.comm, tensors)
 
 
-def _sharding(config: TrainConfig) -> str:
+def _sharding(config: TrainConfig, module: nn.Module) -> str:
+    """How the run is sharded, and the mesh its parameters are on (the widest)."""
     replicas, tp = config.hsdp_replicas, config.tp_size
     if tp is not None:
-        return f"FSDP2 x TP ({tp} tensor-parallel ranks per group)"
-    return "FSDP2" if replicas is None else f"HSDP ({replicas} replicas, FSDP2)"
+        sharded = "FSDP2" if replicas is None else f"HSDP ({replicas} replicas)"
+        how = f"{sharded} x TP ({tp} tensor-parallel ranks per group)"
+    else:
+        how = "FSDP2" if replicas is None else f"HSDP ({replicas} replicas, FSDP2)"
+    meshes = [p.device_mesh for p in module.parameters() if isinstance(p, DTensor)]
+    if not meshes:
+        return how
+    shape = max((tuple(mesh.mesh.shape) for mesh in meshes), key=len)
+    return f"{how} on a {' x '.join(map(str, shape))} mesh"
 
 
 def _tensor_parallel(module: nn.Module, config: TrainConfig, comm: Communicator) -> Communicator:
@@ -370,7 +379,11 @@ def _tensor_parallel(module: nn.Module, config: TrainConfig, comm: Communicator)
 
     assert config.tp_size is not None
     return shard_tensor_parallel(
-        module, config.model, tp_size=config.tp_size, device_type=comm.device.type
+        module,
+        config.model,
+        tp_size=config.tp_size,
+        device_type=comm.device.type,
+        replicas=config.hsdp_replicas,
     )
 
 
