@@ -35,6 +35,7 @@ __all__ = [
     "cost_trials",
     "mean_steps",
     "paired_costs",
+    "round_costs",
 ]
 
 #: Steps per cost run and rounds of the measurement.
@@ -87,34 +88,38 @@ def _mean_step(record: dict[str, Any]) -> float:
     )
 
 
-def paired_costs(
-    workload: StepsWorkload, records: Sequence[dict[str, Any]], row: str, over: str
-) -> tuple[float, float, float] | None:
-    """(median, lowest, highest) of the rounds' ratios of ``row``'s mean step over
-    ``over``'s (paired: the same round); None until every cost run is recorded."""
+def round_costs(
+    workload: StepsWorkload, records: Sequence[dict[str, Any]]
+) -> list[dict[str, float]] | None:
+    """Each cost round's mean step in seconds by row; None until every cost run is
+    recorded."""
     planned = cost_trials(workload, records)
     done = {r["id"]: r for r in records}
     if not planned or any(t.id not in done for t in planned):
         return None
-    ratios = []
-    for round_ in range(COST_ROUNDS):
-        cost = {t.optimizer: _mean_step(done[t.id]) for t in planned if t.index == round_}
-        ratios.append(cost[row] / cost[over])
+    return [
+        {t.optimizer: _mean_step(done[t.id]) for t in planned if t.index == round_}
+        for round_ in range(COST_ROUNDS)
+    ]
+
+
+def paired_costs(
+    rounds: Sequence[dict[str, float]] | None, row: str, over: str
+) -> tuple[float, float, float] | None:
+    """(median, lowest, highest) of the rounds' ratios of ``row``'s mean step over
+    ``over``'s (paired: the same round), from :func:`round_costs`; None without them."""
+    if rounds is None:
+        return None
+    ratios = [cost[row] / cost[over] for cost in rounds]
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def mean_steps(workload: StepsWorkload, records: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Each row's median over the rounds of its mean step in seconds (empty until every
     cost run is recorded)."""
-    planned = cost_trials(workload, records)
-    done = {r["id"]: r for r in records}
-    if not planned or any(t.id not in done for t in planned):
-        return {}
-    rows = dict.fromkeys(t.optimizer for t in planned)
-    return {
-        row: statistics.median(_mean_step(done[t.id]) for t in planned if t.optimizer == row)
-        for row in rows
-    }
+    rounds = round_costs(workload, records) or []
+    rows = dict.fromkeys(row for cost in rounds for row in cost)
+    return {row: statistics.median(cost[row] for cost in rounds) for row in rows}
 
 
 def cost_ratios(
@@ -125,4 +130,6 @@ def cost_ratios(
     found = steps_ratio(workload, records)
     if found is None:
         return None
-    return paired_costs(workload, records, kfac_rows(workload, records)[0], found[1])
+    return paired_costs(
+        round_costs(workload, records), kfac_rows(workload, records)[0], found[1]
+    )

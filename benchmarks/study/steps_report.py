@@ -29,6 +29,7 @@ from study.steps_cost import (
     cost_ratios,
     mean_steps,
     paired_costs,
+    round_costs,
 )
 
 __all__ = [
@@ -126,6 +127,7 @@ def steps_comparison(workload: StepsWorkload, records: Sequence[dict[str, Any]])
         return []
     best = best_baseline(workload, medians)
     seconds = mean_steps(workload, records)
+    rounds = round_costs(workload, records)
     reference = "muon" if "muon" in workload.baselines else best
     lines = [
         "",
@@ -141,12 +143,12 @@ def steps_comparison(workload: StepsWorkload, records: Sequence[dict[str, Any]])
     ]
     for row, median in medians.items():
         steps = median / medians[best] if math.isfinite(medians[best]) else math.inf
-        over_best = paired_costs(workload, records, row, best)
+        over_best = paired_costs(rounds, row, best)
         time = steps * over_best[0] if over_best is not None and math.isfinite(steps) else None
         lines.append(
             f"| {row} | {_steps(median)} | {f'{steps:.2f}' if math.isfinite(steps) else '—'} "
             f"| {f'{1000 * seconds[row]:.0f}' if row in seconds else '—'} "
-            f"| {_rounds(paired_costs(workload, records, row, reference))} "
+            f"| {_rounds(paired_costs(rounds, row, reference))} "
             f"| {_rounds(over_best)} | {'—' if time is None else f'{time:.2f}'} |"
         )
     return lines

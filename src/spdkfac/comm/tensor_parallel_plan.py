@@ -110,8 +110,10 @@ def shard_tensor_parallel(
     for unit in layers if isinstance(layers, nn.ModuleList) else ():
         fully_shard(unit, mesh=sharding)
     fully_shard(model, mesh=sharding)
-    # The data-parallel groups, one per tensor-parallel index (rank r's: r % tp_size),
-    # created by every rank in the same order.
+    if replicas is None:
+        return TorchDistributedCommunicator(mesh.get_group("dp"))
+    # HSDP × TP: the data-parallel groups span two mesh dimensions, one group per
+    # tensor-parallel index (rank r's: r % tp_size), created by every rank in the same order.
     groups = [list(range(index, world, tp_size)) for index in range(tp_size)]
     group, _ = dist.new_subgroups_by_enumeration(groups)
     return TorchDistributedCommunicator(group)
