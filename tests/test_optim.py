@@ -295,3 +295,17 @@ def test_transformer_recipe_unknown_name_and_fixed_options_are_refused() -> None
         KFACOptimizer.transformer(_tiny_transformer(), "kfac-sgd", lr=0.1)
     with pytest.raises(ValueError, match=r"kl_clip 0\.01 does not apply to recipe 'kfac-muon'"):
         KFACOptimizer.transformer(_tiny_transformer(), "kfac-muon", lr=0.1, kl_clip=0.01)
+
+
+def test_transformer_recipe_defaults_to_eigen_adam_muon_with_its_weight_decay() -> None:
+    opt = KFACOptimizer.transformer(_tiny_transformer(), lr=0.01)
+    config = opt.preconditioner.config
+    assert (config.inverse_method, config.factor_update_steps, config.inv_update_steps) == (
+        "eigen-adam",
+        2,
+        2,
+    )
+    decays = sorted({group["weight_decay"] for group in opt.optimizer.param_groups})
+    # The recipe's decay (0.01) on the matrices only (decay_scope "matrices").
+    assert decays == [0.0, 0.01]
+    assert {group.get("betas", (0.9, 0.95))[1] for group in opt.optimizer.param_groups} == {0.95}

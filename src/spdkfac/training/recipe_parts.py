@@ -27,9 +27,14 @@ _FIELDS = frozenset(field.name for field in dataclasses.fields(KFACConfig))
 
 
 def recipe_parts(
-    model: nn.Module, recipe: str, lr: float, weight_decay: float, options: Mapping[str, Any]
+    model: nn.Module,
+    recipe: str,
+    lr: float,
+    weight_decay: float | None,
+    options: Mapping[str, Any],
 ) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
-    """(the recipe's base optimizer over ``model``, the constructor's keyword options).
+    """(the recipe's base optimizer over ``model``, the constructor's keyword options);
+    ``weight_decay`` None: the recipe's.
 
     Raises:
         ValueError: ``recipe`` is not one of :data:`RECIPES`, or an option the recipe fixes
@@ -44,7 +49,8 @@ def recipe_parts(
     module = layout_of(model).module
     fields = {k: v for k, v in options.items() if k in _FIELDS}
     runtime = {k: v for k, v in options.items() if k not in _FIELDS}
-    train = TrainConfig.from_dict({"optimizer": recipe, "lr": lr, "weight_decay": weight_decay})
+    decay = {} if weight_decay is None else {"weight_decay": weight_decay}
+    train = TrainConfig.from_dict({"optimizer": recipe, "lr": lr, **decay})
     kfac = dataclasses.replace(train.kfac, **fields)
     kfac = hidden_layers_only(kfac, set(hidden_layers(module)), module)
     return build_base_optimizer(train, module, lr), {**runtime, "config": kfac}
