@@ -125,7 +125,7 @@ _KFAC_EIGEN_ADAM = {
 }  # fmt: skip
 
 #: The study's text revision 4 (steps to a target, AlgoPerf's rules): the configuration of
-#: kfac-eigen-adam-muon's best scored trial (its report, "Chosen configurations"), the K-FAC
+#: kfac-eigen-adam-muon's best scored trial (its report: "Each row's best scored trial"), the K-FAC
 #: form with the fewest steps to the target there; every AdamW part at beta2 0.95, no decay
 #: on norms, biases and embeddings.
 _KFAC_EIGEN_ADAM_MUON = {
