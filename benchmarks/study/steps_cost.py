@@ -130,6 +130,4 @@ def cost_ratios(
     found = steps_ratio(workload, records)
     if found is None:
         return None
-    return paired_costs(
-        round_costs(workload, records), kfac_rows(workload, records)[0], found[1]
-    )
+    return paired_costs(round_costs(workload, records), kfac_rows(workload, records)[0], found[1])
